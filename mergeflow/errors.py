@@ -1,0 +1,26 @@
+"""The errors mergeflow raises for bad input: each names the file and the problem."""
+
+
+class MergeflowError(Exception):
+    """Base class: a problem with the input or the options, reported without a traceback."""
+
+
+class CheckpointError(MergeflowError):
+    """The checkpoint on disk is missing, incomplete, unsafe or not what it claims to be."""
+
+
+class PlanError(MergeflowError):
+    """The checkpoint's tensors cannot be mapped onto the Hugging Face model."""
+
+
+class OutputError(MergeflowError):
+    """The target directory cannot be written as asked."""
+
+
+def quoted(names) -> str:
+    """Sorted, quoted, comma-separated names, for error messages."""
+    return ", ".join(f'"{name}"' for name in sorted(names))
+
+
+class OptionError(MergeflowError):
+    """An option's value is not one mergeflow accepts."""

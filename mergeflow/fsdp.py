@@ -1,0 +1,411 @@
+"""verl FSDP checkpoints: one `model_world_size_W_rank_r.pt` pickle of DTensor shards per rank.
+
+`find_rank_files` checks the directory, `index_shards` reads every rank's metadata (tensors stay
+on disk, memory-mapped), and `RankReader` hands out the local tensors while a merge copies them.
+"""
+
+import contextlib
+import json
+import logging
+import pickle
+import re
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from mergeflow.dtypes import dtype_name
+from mergeflow.errors import CheckpointError, quoted
+from mergeflow.placement import REPLICATE, Block, covers_exactly, local_block, shard, unique_blocks
+
+FSDP_CONFIG_FILE = "fsdp_config.json"
+HF_SUBDIR = "huggingface"
+RANK_FILE_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+ROLE_SUBDIRS = ("actor", "critic")
+SUPPORTED_MESH_DIM_NAMES = frozenset({"fsdp", "ddp", "dp", "dp_shard", "dp_replicate", "dp_shard_cp"})
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def rank_file_name(world_size: int, rank: int) -> str:
+    return f"model_world_size_{world_size}_rank_{rank}.pt"
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The rank files of one FSDP checkpoint, checked to be complete."""
+
+    checkpoint_dir: str
+    world_size: int
+    paths: tuple[str, ...]
+    fsdp_version: int | None = None
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of the checkpoint: its global shape and dtype, and the rank blocks that hold it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    blocks: tuple[Block, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """What every rank file holds, read from metadata alone: the input of merge planning."""
+
+    checkpoint_dir: str
+    world_size: int
+    rank_files: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    tensors: dict[str, SourceTensor]
+    aliases: dict[str, str]
+    """Names whose tensor shares storage with an earlier name (tied weights), mapped to that name."""
+    fsdp_version: int | None = None
+
+
+def detect(checkpoint_dir: Path) -> bool:
+    """Whether a directory holds verl FSDP rank files."""
+    return checkpoint_dir.is_dir() and any(RANK_FILE_PATTERN.match(p.name) for p in checkpoint_dir.iterdir())
+
+
+def find_rank_files(checkpoint_dir: Path) -> RankFiles:
+    """Find the rank files and check that ranks 0..W-1 are all there, and nothing else.
+
+    The world size comes from `fsdp_config.json` when verl wrote one, else from the file names.
+
+    Raises:
+        CheckpointError: the directory is not an FSDP checkpoint, or its rank files are incomplete.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
+    found: dict[int, dict[int, Path]] = {}
+    for path in sorted(checkpoint_dir.iterdir()):
+        match = RANK_FILE_PATTERN.match(path.name)
+        if match:
+            found.setdefault(int(match[1]), {})[int(match[2])] = path
+    if not found:
+        raise CheckpointError(_not_a_checkpoint_message(checkpoint_dir))
+
+    config_world_size, fsdp_version = _read_fsdp_config(checkpoint_dir)
+    if config_world_size is not None:
+        world_size = config_world_size
+        source = f"{FSDP_CONFIG_FILE} says world_size={world_size}"
+    elif len(found) == 1:
+        world_size = next(iter(found))
+        source = f"file names say world_size={world_size}"
+    else:
+        sizes = ", ".join(str(size) for size in sorted(found))
+        raise CheckpointError(
+            f"rank files of several world sizes ({sizes}) in {checkpoint_dir} and no {FSDP_CONFIG_FILE} to choose: "
+            "remove the files of the runs you do not want to merge"
+        )
+
+    stray = sorted(
+        str(path) for size, ranks in found.items() if size != world_size for path in ranks.values()
+    )
+    ranks = found.get(world_size, {})
+    stray += sorted(str(path) for rank, path in ranks.items() if rank >= world_size)
+    if stray:
+        raise CheckpointError(f"unexpected rank file(s) in {checkpoint_dir} ({source}): {quoted(stray)}")
+    missing = [
+        checkpoint_dir / rank_file_name(world_size, rank) for rank in range(world_size) if rank not in ranks
+    ]
+    if missing:
+        raise CheckpointError(f"rank file missing: {', '.join(map(str, missing))} ({source})")
+    paths = tuple(str(ranks[rank]) for rank in range(world_size))
+    return RankFiles(str(checkpoint_dir), world_size, paths, fsdp_version)
+
+
+def _read_fsdp_config(checkpoint_dir: Path) -> tuple[int | None, int | None]:
+    path = checkpoint_dir / FSDP_CONFIG_FILE
+    if not path.exists():
+        return None, None
+    try:
+        config = json.loads(path.read_text())
+        world_size = int(config["world_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"unreadable {path}: expected JSON with an integer 'world_size' ({e})") from e
+    if world_size < 1:
+        raise CheckpointError(f"invalid {path}: world_size={world_size}")
+    version = config.get("FSDP_version")
+    return world_size, int(version) if version is not None else None
+
+
+def _not_a_checkpoint_message(directory: Path) -> str:
+    """Say which path to pass when the user pointed at the run root or at `global_step_N/`."""
+    message = f"not an FSDP checkpoint: {directory} has no model_world_size_*_rank_*.pt files"
+    roles = [directory / role for role in ROLE_SUBDIRS if detect(directory / role)]
+    if roles:
+        return f"{message}; pass the role directory instead: {' or '.join(map(str, roles))}"
+    steps = sorted(
+        (
+            p
+            for p in directory.glob("global_step_*")
+            if p.is_dir() and p.name.removeprefix("global_step_").isdigit()
+        ),
+        key=lambda p: int(p.name.removeprefix("global_step_")),
+    )
+    if steps:
+        return f"{message}; this looks like a verl run directory, pass a checkpoint such as {steps[-1] / 'actor'}"
+    return message
+
+
+@contextlib.contextmanager
+def _quiet_device_mesh() -> Iterator[None]:
+    """Silence DeviceMesh's warning that it is unpickled without process groups (expected here)."""
+    mesh_logger = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_logger.level
+    mesh_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        mesh_logger.setLevel(level)
+
+
+def load_rank_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Memory-map one rank file with `weights_only=True`: tensor data stays on disk until read.
+
+    Raises:
+        CheckpointError: the file is truncated, not a torch checkpoint, not a state dict, or its
+            pickle asks for globals other than tensors (it is refused, never executed).
+    """
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"not a torch checkpoint: {path} is truncated or was not written by torch.save (no zip directory found)"
+        )
+    try:
+        with _quiet_device_mesh():
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refusing to load {path}: its pickle needs code that is not a tensor ({_unpickling_reason(e)}). "
+            "mergeflow loads checkpoints with weights_only=True and never executes code from them."
+        ) from e
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"not a model state dict: {path} holds a {type(state).__name__}")
+    not_tensors = [str(key) for key, value in state.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise CheckpointError(f"not a model state dict: {path} has non-tensor entries {quoted(not_tensors)}")
+    return {_strip_wrappers(key): value for key, value in state.items()}
+
+
+def _unpickling_reason(error: pickle.UnpicklingError) -> str:
+    for line in str(error).splitlines():
+        if "GLOBAL" in line or "Unsupported" in line:
+            return line.strip().rstrip(".")
+    return str(error).splitlines()[0]
+
+
+def _strip_wrappers(key: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        key = key.replace(prefix, "")
+    return key
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The data a rank holds: a DTensor's local shard, or the plain tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class RankReader:
+    """Opens each rank file once, memory-mapped, and returns the local tensors a merge copies."""
+
+    def __init__(self, rank_files: tuple[str, ...]):
+        self._rank_files = rank_files
+        self._states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def local(self, name: str, rank: int) -> torch.Tensor:
+        if rank not in self._states:
+            self._states[rank] = load_rank_state(self._rank_files[rank])
+        return local_tensor(self._states[rank][name])
+
+    def close(self) -> None:
+        self._states.clear()
+
+    def __enter__(self) -> "RankReader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def index_shards(rank_files: RankFiles) -> ShardIndex:
+    """Read every rank's metadata and work out which blocks make up each global tensor.
+
+    Raises:
+        CheckpointError: ranks disagree on keys, shapes, dtypes or mesh; a placement is not
+            supported; local shapes do not match the placements; plain tensors differ across ranks.
+    """
+    states = [load_rank_state(path) for path in rank_files.paths]
+    names = list(states[0])
+    _check_same_keys(states, rank_files)
+    mesh_shape, mesh_dim_names = _mesh_of(states, rank_files)
+    tensors = {name: _source_tensor(name, states, rank_files, mesh_shape) for name in names}
+    return ShardIndex(
+        checkpoint_dir=rank_files.checkpoint_dir,
+        world_size=rank_files.world_size,
+        rank_files=rank_files.paths,
+        mesh_shape=mesh_shape,
+        mesh_dim_names=mesh_dim_names,
+        tensors=tensors,
+        aliases=_storage_aliases(states[0]),
+        fsdp_version=rank_files.fsdp_version,
+    )
+
+
+def _check_same_keys(states: list[dict[str, torch.Tensor]], rank_files: RankFiles) -> None:
+    expected = set(states[0])
+    for rank, state in enumerate(states[1:], start=1):
+        missing, extra = expected - set(state), set(state) - expected
+        if missing or extra:
+            details = "; ".join(
+                part
+                for part in (
+                    f"missing {quoted(missing)}" if missing else "",
+                    f"extra {quoted(extra)}" if extra else "",
+                )
+                if part
+            )
+            raise CheckpointError(
+                f"rank files disagree on keys: {rank_files.paths[rank]} vs rank 0: {details}"
+            )
+
+
+def _mesh_of(
+    states: list[dict[str, torch.Tensor]], rank_files: RankFiles
+) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """The device mesh every DTensor uses (one mesh for the whole checkpoint), checked against the world size."""
+    meshes = {
+        (
+            tuple(t.device_mesh.mesh.shape),
+            t.device_mesh.mesh_dim_names,
+            tuple(t.device_mesh.mesh.flatten().tolist()),
+        )
+        for state in states
+        for t in state.values()
+        if isinstance(t, DTensor)
+    }
+    if not meshes:
+        return (rank_files.world_size,), None
+    if len(meshes) > 1:
+        shapes = ", ".join(sorted(f"{shape} {names}" for shape, names, _ in meshes))
+        raise CheckpointError(f"tensors of {rank_files.checkpoint_dir} use different device meshes: {shapes}")
+    shape, names, ranks = meshes.pop()
+    if names is not None and not set(names) <= SUPPORTED_MESH_DIM_NAMES:
+        raise CheckpointError(
+            f"unsupported device mesh dims {names} in {rank_files.paths[0]}: mergeflow merges FSDP/HSDP meshes "
+            f"with dims named {quoted(SUPPORTED_MESH_DIM_NAMES)}"
+        )
+    if sorted(ranks) != list(range(rank_files.world_size)):
+        raise CheckpointError(
+            f"device mesh {shape} of {rank_files.paths[0]} holds ranks {sorted(ranks)}, "
+            f"but the checkpoint has world_size={rank_files.world_size}"
+        )
+    return shape, names
+
+
+def _placement_names(tensor: DTensor, name: str, path: str) -> tuple[str, ...]:
+    names = []
+    for placement in tensor.placements:
+        if type(placement) is Shard:
+            names.append(shard(placement.dim))
+        elif type(placement) is Replicate:
+            names.append(REPLICATE)
+        else:
+            raise CheckpointError(
+                f'unsupported placement {placement} of tensor "{name}" in {path}: '
+                "mergeflow merges Shard(dim) and Replicate placements only"
+            )
+    return tuple(names)
+
+
+def _source_tensor(
+    name: str, states: list[dict[str, torch.Tensor]], rank_files: RankFiles, mesh_shape: tuple[int, ...]
+) -> SourceTensor:
+    first = states[0][name]
+    if not isinstance(first, DTensor):
+        return _replicated_plain_tensor(name, states, rank_files)
+    shape = tuple(first.shape)
+    placements = _placement_names(first, name, rank_files.paths[0])
+    blocks = []
+    for rank, state in enumerate(states):
+        tensor, path = state[name], rank_files.paths[rank]
+        if not isinstance(tensor, DTensor) or tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
+            raise CheckpointError(
+                f'tensor "{name}" differs across ranks: {path} has {_describe(tensor)}, rank 0 has {_describe(first)}'
+            )
+        if _placement_names(tensor, name, path) != placements:
+            raise CheckpointError(f'tensor "{name}" has different placements on {path} than on rank 0')
+        coordinate = tuple(int(i) for i in (tensor.device_mesh.mesh == rank).nonzero()[0].tolist())
+        offset, local_shape = local_block(shape, mesh_shape, coordinate, placements)
+        actual = tuple(tensor._local_tensor.shape)
+        if actual != local_shape:
+            raise CheckpointError(
+                f'tensor "{name}" in {path} has local shape {actual}, expected {local_shape} for global shape '
+                f"{shape} with placements {placements} on mesh {mesh_shape}"
+            )
+        blocks.append(Block(rank, offset, local_shape))
+    chosen = unique_blocks(blocks)
+    if not covers_exactly(shape, chosen):
+        raise CheckpointError(f'the rank blocks of tensor "{name}" do not cover its global shape {shape}')
+    return SourceTensor(name, dtype_name(first.dtype), shape, placements, chosen)
+
+
+def _replicated_plain_tensor(
+    name: str, states: list[dict[str, torch.Tensor]], rank_files: RankFiles
+) -> SourceTensor:
+    """A plain tensor (buffer, or world size 1) must be the same on every rank; it is kept once."""
+    first = states[0][name]
+    for rank, state in enumerate(states[1:], start=1):
+        other = state[name]
+        if isinstance(other, DTensor) or other.shape != first.shape or other.dtype != first.dtype:
+            raise CheckpointError(
+                f'tensor "{name}" differs across ranks: {rank_files.paths[rank]} has {_describe(other)}, '
+                f"rank 0 has {_describe(first)}"
+            )
+        if not torch.equal(other, first):
+            raise CheckpointError(
+                f'plain tensor "{name}" has different values in {rank_files.paths[rank]} than on rank 0; '
+                "a tensor that is not a DTensor must be replicated"
+            )
+    shape = tuple(first.shape)
+    return SourceTensor(name, dtype_name(first.dtype), shape, (), (Block(0, (0,) * len(shape), shape),))
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    kind = "DTensor" if isinstance(tensor, DTensor) else "tensor"
+    return f"{kind} {tuple(tensor.shape)} {dtype_name(tensor.dtype)}"
+
+
+def _storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Names whose local data is the same memory as an earlier name's (tied weights saved once)."""
+    first_name: dict[tuple, str] = {}
+    aliases = {}
+    for name, tensor in state.items():
+        local = local_tensor(tensor)
+        if local.numel() == 0:
+            continue
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+        if key in first_name:
+            aliases[name] = first_name[key]
+        else:
+            first_name[key] = name
+    return aliases

@@ -1,0 +1,212 @@
+"""The Hugging Face side of a checkpoint: config, model class, expected tensors, and files to carry over."""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from mergeflow.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+WEIGHT_INDEX_SUFFIX = ".index.json"
+
+AUTO_CLASS_BY_SUFFIX = {
+    "ForTokenClassification": "AutoModelForTokenClassification",
+    "ForCausalLM": "AutoModelForCausalLM",
+    "ForConditionalGeneration": "AutoModelForImageTextToText",
+    "ForSequenceClassification": "AutoModelForSequenceClassification",
+}
+VALUE_MODEL_SUFFIX = "ForTokenClassification"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the Hugging Face config says the merged model must hold."""
+
+    config_dir: str
+    """Directory with config.json, the tokenizer and the other files copied into the output."""
+    architecture: str
+    model_class: str
+    """A transformers class name (`Qwen2ForCausalLM`) or an auto class for remote code."""
+    trust_remote_code: bool
+    expected_shapes: dict[str, tuple[int, ...]]
+    """Every tensor the model's state dict holds, tied aliases excluded."""
+    tied: dict[str, str]
+    """Tied aliases (not written) mapped to the tensor they share, e.g. lm_head.weight -> embed_tokens."""
+    can_generate: bool
+    is_value_model: bool
+
+
+def default_config_dir(checkpoint_dir: Path) -> Path:
+    return Path(checkpoint_dir) / "huggingface"
+
+
+def load_model_spec(
+    config_dir: Path,
+    *,
+    trust_remote_code: bool = False,
+    is_value_model: bool = False,
+    tie_word_embedding: bool = False,
+) -> ModelSpec:
+    """Read config.json and build the model on the meta device to learn its tensors and ties.
+
+    Raises:
+        CheckpointError: config.json is missing or unreadable, or the architecture is unknown.
+    """
+    config_dir = Path(config_dir)
+    config = load_config(config_dir, trust_remote_code=trust_remote_code)
+    architecture = _architecture(config, config_dir, is_value_model)
+    model_class = _model_class_name(architecture, config, config_dir)
+    if is_value_model:
+        _make_value_config(config, architecture)
+    model = _meta_model(model_class, config, trust_remote_code, config_dir)
+    tied = _tied_aliases(model)
+    if tie_word_embedding and not tied:
+        raise CheckpointError(
+            f"--tie-word-embedding contradicts {config_dir / CONFIG_FILE}, which does not tie the word embeddings; "
+            "drop the flag (the config decides, so that lm_head is never dropped by mistake)"
+        )
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
+    return ModelSpec(
+        config_dir=str(config_dir),
+        architecture=architecture,
+        model_class=model_class,
+        trust_remote_code=trust_remote_code,
+        expected_shapes=expected,
+        tied=tied,
+        can_generate=bool(model.can_generate()),
+        is_value_model=architecture.endswith(VALUE_MODEL_SUFFIX),
+    )
+
+
+def load_config(config_dir: Path, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    path = Path(config_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"missing {path}: verl saves the model config in <checkpoint>/huggingface/; "
+            "pass --hf_model_config_path DIR if it lives elsewhere"
+        )
+    try:
+        return AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise CheckpointError(
+                f"{path} needs custom code: pass --trust-remote-code to allow running it"
+            ) from e
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+
+
+def _architecture(config: PretrainedConfig, config_dir: Path, is_value_model: bool) -> str:
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise CheckpointError(
+            f"{config_dir / CONFIG_FILE} names no 'architectures': cannot tell which model to build"
+        )
+    architecture = architectures[0]
+    if is_value_model and not architecture.endswith(VALUE_MODEL_SUFFIX):
+        base = next(
+            (architecture.removesuffix(s) for s in AUTO_CLASS_BY_SUFFIX if architecture.endswith(s)),
+            architecture,
+        )
+        architecture = base + VALUE_MODEL_SUFFIX
+    return architecture
+
+
+def _model_class_name(architecture: str, config: PretrainedConfig, config_dir: Path) -> str:
+    if hasattr(transformers, architecture):
+        return architecture
+    for suffix, auto_class in AUTO_CLASS_BY_SUFFIX.items():
+        if architecture.endswith(suffix) and getattr(config, "auto_map", None):
+            return auto_class
+    raise CheckpointError(
+        f'unknown architecture "{architecture}" in {config_dir / CONFIG_FILE}: transformers '
+        f"{transformers.__version__} has no such class and the config has no auto_map for remote code"
+    )
+
+
+def _make_value_config(config: PretrainedConfig, architecture: str) -> None:
+    config.architectures = [architecture]
+    config.num_labels = 1
+
+
+def _meta_model(model_class: str, config: PretrainedConfig, trust_remote_code: bool, config_dir: Path):
+    cls = getattr(transformers, model_class)
+    try:
+        with torch.device("meta"):
+            if model_class.startswith("Auto"):
+                return cls.from_config(config, trust_remote_code=trust_remote_code)
+            return cls(config)
+    except Exception as e:
+        raise CheckpointError(f"cannot build {model_class} from {config_dir / CONFIG_FILE}: {e}") from e
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """State-dict names that are the same parameter as an earlier name, as transformers ties them."""
+    first_name: dict[int, str] = {}
+    tied = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first_name:
+            tied[name] = first_name[id(tensor)]
+        else:
+            first_name[id(tensor)] = name
+    return tied
+
+
+def write_config(spec: ModelSpec, output_dir: Path, dtype: str) -> None:
+    """Write config.json as the checkpoint has it, with only its dtype (and value-model head) updated."""
+    config = json.loads((Path(spec.config_dir) / CONFIG_FILE).read_text())
+    if spec.is_value_model and config.get("architectures") != [spec.architecture]:
+        config["architectures"] = [spec.architecture]
+        config["id2label"] = {"0": "LABEL_0"}
+        config["label2id"] = {"LABEL_0": 0}
+    _set_dtype(config, dtype)
+    (Path(output_dir) / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _set_dtype(config: dict, dtype: str) -> None:
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    for value in config.values():
+        if isinstance(value, dict) and ("dtype" in value or "torch_dtype" in value):
+            _set_dtype(value, dtype)
+
+
+def write_generation_config(spec: ModelSpec, output_dir: Path) -> None:
+    """Copy the checkpoint's generation_config.json; without one, derive it from the model config as verl does."""
+    source = Path(spec.config_dir) / GENERATION_CONFIG_FILE
+    if source.is_file():
+        shutil.copyfile(source, Path(output_dir) / GENERATION_CONFIG_FILE)
+    elif spec.can_generate:
+        config = load_config(Path(spec.config_dir), trust_remote_code=spec.trust_remote_code)
+        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+
+
+def side_files(config_dir: Path) -> list[Path]:
+    """Tokenizer, processor, chat template and remote-code files: every top-level file but weights and configs."""
+    handled = {CONFIG_FILE, GENERATION_CONFIG_FILE}
+    return sorted(
+        path
+        for path in Path(config_dir).iterdir()
+        if path.is_file()
+        and path.name not in handled
+        and not path.name.endswith(WEIGHT_SUFFIXES)
+        and not path.name.endswith(WEIGHT_INDEX_SUFFIX)
+    )
+
+
+def copy_side_files(config_dir: Path, output_dir: Path) -> list[str]:
+    """Copy the side files byte for byte (never loaded and re-saved, which would change them)."""
+    copied = []
+    for path in side_files(config_dir):
+        shutil.copyfile(path, Path(output_dir) / path.name)
+        copied.append(path.name)
+    return copied

@@ -1,0 +1,145 @@
+"""Merge planning: from shard metadata and the model spec to the list of output tensors and files.
+
+Pure functions over names, shapes and sizes: no I/O and no tensor data.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, parse_dtype_name
+from mergeflow.errors import OptionError, PlanError, quoted
+from mergeflow.fsdp import ShardIndex
+from mergeflow.hf_config import ModelSpec
+
+MAX_SHARD_SIZE = "5GB"
+DEFAULT_DTYPE = "bf16"
+SAFETENSORS_FILE_PATTERN = "model{suffix}.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the merged model: its name, the checkpoint tensor it comes from, and how it is stored."""
+
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * parse_dtype_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """Everything the writer needs: output tensors in write order and their assignment to files."""
+
+    tensors: dict[str, OutputTensor]
+    shard_to_names: dict[str, tuple[str, ...]]
+    total_size: int
+    config_dtype: str
+    """The dtype written into config.json."""
+    dropped_aliases: dict[str, str]
+    """Tied aliases left out of the output (transformers re-ties them on load)."""
+    unexpected: tuple[str, ...]
+    """Tensors the config's model does not declare; written, and reported."""
+
+    @property
+    def name_to_shard(self) -> dict[str, str]:
+        return {name: shard for shard, names in self.shard_to_names.items() for name in names}
+
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.shard_to_names) > 1
+
+
+def plan_merge(
+    index: ShardIndex,
+    spec: ModelSpec,
+    *,
+    dtype: str = DEFAULT_DTYPE,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> MergePlan:
+    """Decide which tensors the merged model holds, in which dtype, and in which file.
+
+    Raises:
+        OptionError: an unknown dtype or an unreadable max shard size.
+        PlanError: the checkpoint lacks tensors the config needs, or their shapes disagree with it.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise OptionError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPE_CHOICES)}")
+    dropped = {name: spec.tied[name] for name in index.tensors if name in spec.tied}
+    kept = [source for name, source in index.tensors.items() if name not in dropped]
+    _check_against_config(kept, spec, index.checkpoint_dir)
+    tensors = {
+        source.name: OutputTensor(
+            name=source.name,
+            source=source.name,
+            shape=source.shape,
+            dtype=dtype_name(output_dtype(parse_dtype_name(source.dtype), dtype)),
+        )
+        for source in kept
+    }
+    split = _split_into_files(tensors, max_shard_size)
+    return MergePlan(
+        tensors=tensors,
+        shard_to_names={filename: tuple(names) for filename, names in split.filename_to_tensors.items()},
+        total_size=int(split.metadata["total_size"]),
+        config_dtype=_config_dtype(tensors.values()) if dtype == KEEP else dtype_name(DTYPE_CHOICES[dtype]),
+        dropped_aliases=dropped,
+        unexpected=tuple(source.name for source in kept if source.name not in spec.expected_shapes),
+    )
+
+
+def _check_against_config(kept, spec: ModelSpec, checkpoint_dir: str) -> None:
+    present = {source.name for source in kept}
+    config_path = f"{spec.config_dir}/config.json"
+    missing = [name for name in spec.expected_shapes if name not in present]
+    if missing:
+        raise PlanError(
+            f"checkpoint {checkpoint_dir} lacks tensor(s) that {spec.model_class} from {config_path} needs: "
+            f"{_listed(missing)}"
+        )
+    mismatches = [
+        f"{source.name}: got {source.shape}, expected {spec.expected_shapes[source.name]}"
+        for source in kept
+        if source.name in spec.expected_shapes and source.shape != spec.expected_shapes[source.name]
+    ]
+    if mismatches:
+        raise PlanError(
+            f"shape mismatch between checkpoint {checkpoint_dir} and {config_path} "
+            f"({len(mismatches)} tensor(s)): " + "; ".join(mismatches[:MAX_LISTED])
+        )
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+    return quoted(names[:MAX_LISTED]) + more
+
+
+def _split_into_files(tensors: dict[str, OutputTensor], max_shard_size: int | str):
+    try:
+        return split_state_dict_into_shards_factory(
+            tensors,
+            get_storage_size=lambda tensor: tensor.nbytes,
+            filename_pattern=SAFETENSORS_FILE_PATTERN,
+            max_shard_size=max_shard_size,
+        )
+    except ValueError as e:
+        raise OptionError(f"invalid max shard size {max_shard_size!r}: {e}") from e
+
+
+def _config_dtype(tensors) -> str:
+    """For `--dtype keep`: the floating dtype holding the most bytes."""
+    by_dtype = Counter()
+    for tensor in tensors:
+        if parse_dtype_name(tensor.dtype).is_floating_point:
+            by_dtype[tensor.dtype] += tensor.nbytes
+    return by_dtype.most_common(1)[0][0] if by_dtype else "float32"
