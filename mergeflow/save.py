@@ -71,7 +71,7 @@ def write_weights(plan: MergePlan, index: ShardIndex, output_dir: Path, *, progr
         tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar,
     ):
         for filename, names in plan.shard_to_names.items():
-            tensors = [plan.tensors[name] for name in names]
+            tensors = sorted((plan.tensors[name] for name in names), key=_safetensors_order)
             entries = [TensorEntry(t.name, t.dtype, t.shape) for t in tensors]
             with SafetensorsWriter(output_dir / filename, entries) as writer:
                 for tensor in tensors:
@@ -84,6 +84,12 @@ def write_weights(plan: MergePlan, index: ShardIndex, output_dir: Path, *, progr
                     for chunk in chunks:
                         writer.write(tensor.name, chunk)
                         bar.update(chunk.numel() * chunk.element_size())
+
+
+def _safetensors_order(tensor) -> tuple[int, str]:
+    """safetensors' own order within a file (widest dtype first, then by name), so tensors land at the
+    same offsets, and with the same memory alignment once mmapped, as in a file save_pretrained writes."""
+    return -parse_dtype_name(tensor.dtype).itemsize, tensor.name
 
 
 def write_weight_index(plan: MergePlan, output_dir: Path) -> None:

@@ -1,0 +1,174 @@
+"""The `mergeflow` command: verl's `model_merger` flags, run as Prefect flows."""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from mergeflow.errors import MergeflowError
+from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
+
+PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migrates its database slowly
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
+EXIT_BAD_INPUT = 2
+DTYPES = ("bf16", "fp16", "fp32", "keep")
+
+
+def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of verl's `python -m verl.model_merger`, in its spellings and in dash/underscore forms."""
+    parser.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
+    parser.add_argument(
+        "--local_dir",
+        "--local-dir",
+        dest="local_dir",
+        required=True,
+        help="the checkpoint: .../global_step_N/actor (or critic)",
+    )
+    parser.add_argument(
+        "--hf_model_config_path",
+        "--hf-model-config-path",
+        "--hf_model_path",
+        "--hf-model-path",
+        dest="hf_model_config_path",
+        default=None,
+        help="directory with config.json and tokenizer (default: LOCAL_DIR/huggingface)",
+    )
+    parser.add_argument(
+        "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true"
+    )
+    parser.add_argument(
+        "--tie-word-embedding",
+        "--tie_word_embedding",
+        dest="tie_word_embedding",
+        action="store_true",
+        help="accepted for verl compatibility; the config decides ties",
+    )
+    parser.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true")
+    parser.add_argument(
+        "--use_cpu_initialization",
+        "--use-cpu-initialization",
+        dest="use_cpu_initialization",
+        action="store_true",
+        help="accepted for verl compatibility; mergeflow always runs on CPU",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mergeflow", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    merge = commands.add_parser("merge", help="merge a checkpoint into a Hugging Face model folder")
+    _add_checkpoint_options(merge)
+    merge.add_argument("--target_dir", "--target-dir", dest="target_dir", default="tmp")
+    merge.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=DEFAULT_DTYPE,
+        help="dtype of floating tensors in the output (default: bf16, as verl)",
+    )
+    merge.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default=MAX_SHARD_SIZE)
+    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty target directory")
+    merge.add_argument("--no-progress", dest="progress", action="store_false")
+
+    inspect = commands.add_parser("inspect", help="describe a checkpoint without merging it")
+    inspect.add_argument("local_dir")
+    inspect.add_argument("--hf_model_config_path", "--hf-model-config-path", dest="hf_model_config_path")
+    inspect.add_argument(
+        "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true"
+    )
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+
+    demo = commands.add_parser("demo", help="write a tiny real FSDP2 checkpoint and merge it")
+    demo.add_argument(
+        "--workdir", default=None, help="where to put the demo (default: a temporary directory)"
+    )
+    return parser
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from flows.merge import merge_checkpoint
+
+    saved = merge_checkpoint(
+        local_dir=args.local_dir,
+        target_dir=args.target_dir,
+        backend=args.backend,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        hf_model_config_path=args.hf_model_config_path,
+        trust_remote_code=args.trust_remote_code,
+        is_value_model=args.is_value_model,
+        tie_word_embedding=args.tie_word_embedding,
+        overwrite=args.overwrite,
+        progress=args.progress,
+    )
+    print(f"merged {args.local_dir} -> {saved.target_dir} ({saved.num_tensors} tensors, {saved.dtype})")
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from mergeflow.summary import describe_checkpoint, format_description
+
+    description = describe_checkpoint(
+        Path(args.local_dir),
+        hf_model_config_path=args.hf_model_config_path,
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(json.dumps(description, indent=2) if args.json else format_description(description))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from flows.demo import run_demo as demo
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="mergeflow-demo-"))
+    return 0 if demo(workdir) else 1
+
+
+COMMANDS = {"merge": run_merge, "inspect": run_inspect, "demo": run_demo}
+
+
+class _HideExpectedTracebacks(logging.Filter):
+    """Console logs show a bad-input error as its message; the traceback stays in the Prefect API logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], MergeflowError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _quiet_console_tracebacks() -> None:
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()
+    loggers = [
+        logging.getLogger(),
+        *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict)),
+    ]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if type(handler).__name__ == "PrefectConsoleHandler":
+                handler.addFilter(_HideExpectedTracebacks())
+
+
+def main(argv: list[str] | None = None) -> int:
+    for name, value in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    args = build_parser().parse_args(argv)
+    if args.command in ("merge", "demo"):
+        _quiet_console_tracebacks()
+    try:
+        return COMMANDS[args.command](args)
+    except MergeflowError as e:
+        print(f"mergeflow: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefect deployments of the flows: serve/deploy definitions, triggers and schedules."""

@@ -1,0 +1,49 @@
+"""The merge pipeline: world size, config, shards, merge, save."""
+
+from pathlib import Path
+
+from prefect import flow
+
+from mergeflow.errors import OptionError
+from mergeflow.output import check_target
+from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
+from mergeflow.save import SavedModel
+from tasks.detect_world_size import detect_world_size
+from tasks.load_config import load_config
+from tasks.load_shards import load_shards
+from tasks.merge import merge
+from tasks.save import save
+
+BACKENDS = ("fsdp",)
+
+
+@flow(name="merge-checkpoint")
+def merge_checkpoint(
+    local_dir: str,
+    target_dir: str,
+    backend: str = "fsdp",
+    dtype: str = DEFAULT_DTYPE,
+    max_shard_size: str = MAX_SHARD_SIZE,
+    hf_model_config_path: str | None = None,
+    trust_remote_code: bool = False,
+    is_value_model: bool = False,
+    tie_word_embedding: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> SavedModel:
+    """Merge a verl checkpoint directory (`global_step_N/actor`) into a Hugging Face model folder."""
+    if backend not in BACKENDS:
+        raise OptionError(f"backend '{backend}' is not supported yet: choose one of {', '.join(BACKENDS)}")
+    check_target(Path(target_dir), overwrite=overwrite)
+
+    rank_files = detect_world_size(local_dir)
+    spec = load_config(
+        local_dir,
+        hf_model_config_path,
+        trust_remote_code=trust_remote_code,
+        is_value_model=is_value_model,
+        tie_word_embedding=tie_word_embedding,
+    )
+    index = load_shards(rank_files)
+    plan = merge(index, spec, dtype=dtype, max_shard_size=max_shard_size)
+    return save(plan, index, spec, target_dir, overwrite=overwrite, progress=progress)

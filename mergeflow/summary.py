@@ -1,0 +1,54 @@
+"""What `mergeflow inspect` reports about a checkpoint, from metadata alone (nothing is merged)."""
+
+from collections import Counter
+from pathlib import Path
+
+from mergeflow.errors import CheckpointError
+from mergeflow.fsdp import find_rank_files, index_shards
+from mergeflow.hf_config import ModelSpec, default_config_dir, load_model_spec
+
+LORA_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+
+
+def describe_checkpoint(
+    local_dir: Path, *, hf_model_config_path: Path | None = None, trust_remote_code: bool = False
+) -> dict:
+    """World size, mesh, placements, dtypes, parameter count, and tied / LoRA / value-model flags."""
+    rank_files = find_rank_files(Path(local_dir))
+    index = index_shards(rank_files)
+    spec = _spec_or_none(
+        Path(hf_model_config_path) if hf_model_config_path else default_config_dir(Path(local_dir)),
+        trust_remote_code,
+    )
+    tied = dict(spec.tied) if spec else dict(index.aliases)
+    counted = [t for name, t in index.tensors.items() if name not in tied and name not in index.aliases]
+    names = list(index.tensors)
+    return {
+        "checkpoint_dir": str(Path(local_dir).absolute()),
+        "backend": "fsdp",
+        "fsdp_version": index.fsdp_version,
+        "world_size": index.world_size,
+        "mesh_shape": list(index.mesh_shape),
+        "mesh_dim_names": list(index.mesh_dim_names) if index.mesh_dim_names else None,
+        "placements": dict(Counter(",".join(t.placements) or "plain" for t in index.tensors.values())),
+        "dtypes": dict(Counter(t.dtype for t in index.tensors.values())),
+        "num_tensors": len(index.tensors),
+        "num_parameters": sum(t.numel for t in counted),
+        "architecture": spec.architecture if spec else None,
+        "tied": tied,
+        "lora": any(marker in name for name in names for marker in LORA_MARKERS),
+        "value_model": spec.is_value_model if spec else any(name.startswith("score.") for name in names),
+    }
+
+
+def _spec_or_none(config_dir: Path, trust_remote_code: bool) -> ModelSpec | None:
+    try:
+        return load_model_spec(config_dir, trust_remote_code=trust_remote_code)
+    except CheckpointError:
+        return None
+
+
+def format_description(description: dict) -> str:
+    """Aligned `key: value` lines for the terminal."""
+    width = max(map(len, description))
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in description.items())

@@ -1,0 +1,29 @@
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from mergeflow.fsdp import ShardIndex
+from mergeflow.hf_config import ModelSpec
+from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan, plan_merge
+
+
+@task(name="merge", cache_policy=NO_CACHE)
+def merge(
+    index: ShardIndex, spec: ModelSpec, *, dtype: str = DEFAULT_DTYPE, max_shard_size: str = MAX_SHARD_SIZE
+) -> MergePlan:
+    """Resolve every tensor's shards against the config: names, shapes, dtype, ties, and output files."""
+    plan = plan_merge(index, spec, dtype=dtype, max_shard_size=max_shard_size)
+    logger = get_run_logger()
+    logger.info(
+        "%d tensors, %d bytes in %d file(s), dtype %s",
+        len(plan.tensors),
+        plan.total_size,
+        len(plan.shard_to_names),
+        plan.config_dtype,
+    )
+    if plan.dropped_aliases:
+        logger.info("tied aliases not written: %s", ", ".join(sorted(plan.dropped_aliases)))
+    if plan.unexpected:
+        logger.warning(
+            "tensors the config's model does not declare (written anyway): %s", ", ".join(plan.unexpected)
+        )
+    return plan

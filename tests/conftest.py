@@ -1,0 +1,88 @@
+"""Session-wide fixtures: real FSDP checkpoints (written once) and a real Prefect server."""
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from mergeflow.fixtures.fsdp import Fixture, FixtureSpec, write_fixtures
+
+GENERATION_CONFIG = {
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+
+FIXTURE_SPECS = [
+    FixtureSpec("qwen2-ws1", world_size=1),
+    FixtureSpec("qwen2-ws2", world_size=2, generation_config=GENERATION_CONFIG),
+    FixtureSpec("qwen2-dp-shard-ws2", world_size=2, mesh_dim_names=("dp_shard",), dtype="bf16"),
+    FixtureSpec("value-ws2", model="qwen2-value", world_size=2, tie=False, role="critic"),
+    FixtureSpec("llama-untied-ws3", model="llama", world_size=3, tie=False),
+    FixtureSpec("qwen2-fsdp1-ws3", world_size=3, fsdp_version=1, dtype="bf16"),
+    FixtureSpec("qwen2-untied-ws4", world_size=4, tie=False),
+    FixtureSpec("qwen2-hsdp-2x2", world_size=4, mesh_shape=(2, 2), mesh_dim_names=("ddp", "fsdp")),
+    FixtureSpec(
+        "llama-fsdp1-hsdp-2x2",
+        model="llama",
+        world_size=4,
+        fsdp_version=1,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("ddp", "fsdp"),
+    ),
+]
+FIXTURE_NAMES = [spec.name for spec in FIXTURE_SPECS]
+
+
+@pytest.fixture(scope="session")
+def fixtures(tmp_path_factory) -> dict[str, Fixture]:
+    """Every fixture checkpoint, written once per session by real torch FSDP on gloo."""
+    return write_fixtures(FIXTURE_SPECS, tmp_path_factory.mktemp("fixtures"))
+
+
+@pytest.fixture
+def copy_checkpoint(fixtures, tmp_path) -> Callable[[str], Fixture]:
+    """A private copy of a fixture's run directory, for tests that damage it."""
+
+    def copy(name: str) -> Fixture:
+        fixture = fixtures[name]
+        run_dir = tmp_path / name / "run"
+        shutil.copytree(fixture.run_dir, run_dir)
+        checkpoint_dir = run_dir / fixture.checkpoint_dir.relative_to(fixture.run_dir)
+        return Fixture(fixture.spec, fixture.reference_dir, run_dir, checkpoint_dir)
+
+    return copy
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real, temporary Prefect server (and database) for the session; results go to a temp dir."""
+    from prefect.settings import (
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        temporary_settings,
+    )
+    from prefect.testing.utilities import prefect_test_harness
+
+    storage = tmp_path_factory.mktemp("prefect-results")
+    with (
+        temporary_settings(
+            {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}
+        ),
+        prefect_test_harness(server_startup_timeout=180),
+    ):
+        yield
+
+
+@pytest.fixture
+def target_dir(tmp_path) -> Path:
+    return tmp_path / "merged"

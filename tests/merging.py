@@ -1,0 +1,43 @@
+"""Helpers the tests share: merge with the engine alone, and load what a merge wrote."""
+
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from mergeflow.fsdp import find_rank_files, index_shards
+from mergeflow.hf_config import default_config_dir, load_model_spec
+from mergeflow.planning import plan_merge
+from mergeflow.save import SavedModel, save_model
+
+INPUT_IDS = torch.tensor([[2, 5, 7, 11, 13, 17, 19, 23, 29, 31]])
+
+
+def merge_with_engine(checkpoint_dir: Path, target_dir: Path, **options) -> SavedModel:
+    """The flow's steps called directly, without Prefect."""
+    max_shard_size = options.pop("max_shard_size", "5GB")
+    overwrite = options.pop("overwrite", False)
+    spec = load_model_spec(default_config_dir(checkpoint_dir))
+    index = index_shards(find_rank_files(checkpoint_dir))
+    plan = plan_merge(index, spec, max_shard_size=max_shard_size, **options)
+    return save_model(plan, index, spec, target_dir, overwrite=overwrite, progress=False)
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in every .safetensors file of a folder."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+def model_class(model_dir: Path):
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    return getattr(transformers, config.architectures[0])
+
+
+def logits(model_dir: Path, dtype: torch.dtype) -> torch.Tensor:
+    model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(INPUT_IDS).logits

@@ -1,0 +1,139 @@
+"""The `mergeflow` command accepts verl's flags and reports on checkpoints."""
+
+import json
+
+import pytest
+
+from cli import build_parser, main
+from tests.merging import load_weights
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local_dir",
+            "D",
+            "--target_dir",
+            "T",
+            "--tie-word-embedding",
+            "--trust-remote-code",
+            "--is-value-model",
+            "--use_cpu_initialization",
+            "--hf_model_config_path",
+            "H",
+        ],
+        [
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local-dir",
+            "D",
+            "--target-dir",
+            "T",
+            "--tie_word_embedding",
+            "--trust_remote_code",
+            "--is_value_model",
+            "--use-cpu-initialization",
+            "--hf-model-config-path",
+            "H",
+        ],
+    ],
+)
+def test_verl_spellings_and_dash_forms_parse_alike(argv):
+    args = build_parser().parse_args(argv)
+
+    assert (args.local_dir, args.target_dir, args.hf_model_config_path) == ("D", "T", "H")
+    assert args.tie_word_embedding and args.trust_remote_code and args.is_value_model
+
+
+def test_deprecated_hf_model_path_means_the_config_path():
+    args = build_parser().parse_args(["merge", "--local_dir", "D", "--hf_model_path", "H"])
+
+    assert args.hf_model_config_path == "H"
+
+
+def test_default_output_dtype_is_bf16_as_verl():
+    assert build_parser().parse_args(["merge", "--local_dir", "D"]).dtype == "bf16"
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_merge_command_writes_the_model(fixtures, target_dir, capsys):
+    code = main(
+        [
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local_dir",
+            str(fixtures["qwen2-ws2"].checkpoint_dir),
+            "--target_dir",
+            str(target_dir),
+            "--dtype",
+            "fp32",
+            "--no-progress",
+        ]
+    )
+
+    assert code == 0
+    assert "merged" in capsys.readouterr().out
+    assert load_weights(target_dir)["model.norm.weight"].dtype.is_floating_point
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_merge_command_takes_the_config_from_hf_model_config_path(copy_checkpoint, target_dir):
+    fixture = copy_checkpoint("qwen2-ws2")
+    moved = fixture.run_dir / "hf-config"
+    (fixture.checkpoint_dir / "huggingface").rename(moved)
+
+    code = main(
+        [
+            "merge",
+            "--local_dir",
+            str(fixture.checkpoint_dir),
+            "--target_dir",
+            str(target_dir),
+            "--hf_model_config_path",
+            str(moved),
+            "--no-progress",
+        ]
+    )
+
+    assert code == 0
+    assert (target_dir / "tokenizer.json").read_bytes() == (moved / "tokenizer.json").read_bytes()
+
+
+def test_inspect_reports_mesh_placements_and_flags(fixtures, capsys):
+    code = main(["inspect", str(fixtures["qwen2-hsdp-2x2"].checkpoint_dir), "--json"])
+    report = json.loads(capsys.readouterr().out)
+
+    assert code == 0
+    assert report["world_size"] == 4
+    assert report["mesh_shape"] == [2, 2]
+    assert report["mesh_dim_names"] == ["ddp", "fsdp"]
+    assert report["placements"] == {"replicate,shard:0": 27}
+    assert report["dtypes"] == {"float32": 27}
+    assert report["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert report["lora"] is False
+    assert report["value_model"] is False
+
+
+def test_inspect_counts_parameters_once_for_tied_weights(fixtures, capsys):
+    main(["inspect", str(fixtures["qwen2-ws2"].checkpoint_dir), "--json"])
+    report = json.loads(capsys.readouterr().out)
+
+    weights = load_weights(fixtures["qwen2-ws2"].reference_dir)
+    assert report["num_parameters"] == sum(t.numel() for t in weights.values())
+
+
+def test_inspect_flags_a_value_model(fixtures, capsys):
+    main(["inspect", str(fixtures["value-ws2"].checkpoint_dir), "--json"])
+
+    assert json.loads(capsys.readouterr().out)["value_model"] is True
+
+
+def test_inspect_of_a_bad_directory_exits_2(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not an FSDP checkpoint" in capsys.readouterr().err

@@ -1,0 +1,85 @@
+"""Merge planning on literal names and shapes (no checkpoint is read)."""
+
+import pytest
+
+from mergeflow.errors import OptionError, PlanError
+from mergeflow.fsdp import ShardIndex, SourceTensor
+from mergeflow.hf_config import ModelSpec
+from mergeflow.placement import Block
+from mergeflow.planning import plan_merge
+
+
+def index_of(shapes: dict[str, tuple[int, ...]], dtype: str = "float32") -> ShardIndex:
+    tensors = {
+        name: SourceTensor(name, dtype, shape, ("shard:0",), (Block(0, (0,) * len(shape), shape),))
+        for name, shape in shapes.items()
+    }
+    return ShardIndex("/ckpt", 1, ("/ckpt/model_world_size_1_rank_0.pt",), (1,), ("fsdp",), tensors, {})
+
+
+def spec_of(shapes: dict[str, tuple[int, ...]], tied: dict[str, str] | None = None) -> ModelSpec:
+    return ModelSpec(
+        "/ckpt/huggingface", "TinyForCausalLM", "TinyForCausalLM", False, shapes, tied or {}, True, False
+    )
+
+
+SHAPES = {"embed.weight": (10, 4), "norm.weight": (4,), "head.weight": (10, 4)}
+
+
+def test_every_tensor_is_written_in_the_chosen_dtype():
+    plan = plan_merge(index_of(SHAPES), spec_of(SHAPES), dtype="bf16")
+
+    assert {name: t.dtype for name, t in plan.tensors.items()} == dict.fromkeys(SHAPES, "bfloat16")
+    assert plan.total_size == (40 + 4 + 40) * 2
+
+
+def test_keep_writes_the_source_dtype():
+    plan = plan_merge(index_of(SHAPES), spec_of(SHAPES), dtype="keep")
+
+    assert plan.config_dtype == "float32"
+    assert plan.total_size == (40 + 4 + 40) * 4
+
+
+def test_tied_alias_is_dropped():
+    spec = spec_of({"embed.weight": (10, 4), "norm.weight": (4,)}, tied={"head.weight": "embed.weight"})
+
+    plan = plan_merge(index_of(SHAPES), spec)
+
+    assert list(plan.tensors) == ["embed.weight", "norm.weight"]
+    assert plan.dropped_aliases == {"head.weight": "embed.weight"}
+
+
+def test_small_max_shard_size_splits_files_in_order():
+    plan = plan_merge(index_of(SHAPES), spec_of(SHAPES), dtype="fp32", max_shard_size=200)
+
+    assert plan.shard_to_names == {
+        "model-00001-of-00002.safetensors": ("embed.weight", "norm.weight"),
+        "model-00002-of-00002.safetensors": ("head.weight",),
+    }
+
+
+def test_missing_tensor_is_named():
+    with pytest.raises(PlanError, match=r'lacks tensor.*"head\.weight"'):
+        plan_merge(index_of({"embed.weight": (10, 4), "norm.weight": (4,)}), spec_of(SHAPES))
+
+
+def test_shape_mismatch_names_the_tensor_and_both_shapes():
+    with pytest.raises(PlanError, match=r"norm.weight: got \(5,\), expected \(4,\)"):
+        plan_merge(index_of({**SHAPES, "norm.weight": (5,)}), spec_of(SHAPES))
+
+
+def test_tensors_the_config_does_not_declare_are_written_and_reported():
+    plan = plan_merge(index_of({**SHAPES, "extra.bias": (3,)}), spec_of(SHAPES))
+
+    assert plan.unexpected == ("extra.bias",)
+    assert "extra.bias" in plan.tensors
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(OptionError, match="unknown dtype 'int4'"):
+        plan_merge(index_of(SHAPES), spec_of(SHAPES), dtype="int4")
+
+
+def test_unreadable_max_shard_size_is_refused():
+    with pytest.raises(OptionError, match="invalid max shard size"):
+        plan_merge(index_of(SHAPES), spec_of(SHAPES), max_shard_size="lots")
