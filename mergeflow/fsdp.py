@@ -1,12 +1,13 @@
 """verl FSDP checkpoints: one `model_world_size_W_rank_r.pt` pickle of DTensor shards per rank.
 
 `find_rank_files` checks the directory, `index_shards` reads every rank's metadata (tensors stay
-on disk, memory-mapped), and `RankReader` hands out the local tensors while a merge copies them.
+on disk, memory-mapped); `mergeflow.rank_reader` reads their data while a merge copies them.
 """
 
 import contextlib
 import json
 import logging
+import os
 import pickle
 import re
 import zipfile
@@ -220,31 +221,33 @@ def _strip_wrappers(key: str) -> str:
     return key
 
 
+_handoff: dict[str, tuple[tuple[int, int], dict[str, torch.Tensor]]] = {}
+"""The rank states `index_shards` loaded last, left for the reader of the same files to take:
+unpickling every rank file twice (once to plan, once to copy) would cost seconds on large checkpoints.
+Only one checkpoint's mappings are kept; a file that changed since is loaded again."""
+
+
+def _file_identity(path: str) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _hand_off(rank_files: RankFiles, states: list[dict[str, torch.Tensor]]) -> None:
+    _handoff.clear()
+    for path, state in zip(rank_files.paths, states, strict=True):
+        _handoff[path] = (_file_identity(path), state)
+
+
+def take_or_load(path: str) -> dict[str, torch.Tensor]:
+    identity, state = _handoff.pop(path, (None, None))
+    if state is not None and identity == _file_identity(path):
+        return state
+    return load_rank_state(path)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The data a rank holds: a DTensor's local shard, or the plain tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-class RankReader:
-    """Opens each rank file once, memory-mapped, and returns the local tensors a merge copies."""
-
-    def __init__(self, rank_files: tuple[str, ...]):
-        self._rank_files = rank_files
-        self._states: dict[int, dict[str, torch.Tensor]] = {}
-
-    def local(self, name: str, rank: int) -> torch.Tensor:
-        if rank not in self._states:
-            self._states[rank] = load_rank_state(self._rank_files[rank])
-        return local_tensor(self._states[rank][name])
-
-    def close(self) -> None:
-        self._states.clear()
-
-    def __enter__(self) -> "RankReader":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def index_shards(rank_files: RankFiles) -> ShardIndex:
@@ -257,8 +260,10 @@ def index_shards(rank_files: RankFiles) -> ShardIndex:
     states = [load_rank_state(path) for path in rank_files.paths]
     names = list(states[0])
     _check_same_keys(states, rank_files)
-    mesh_shape, mesh_dim_names = _mesh_of(states, rank_files)
-    tensors = {name: _source_tensor(name, states, rank_files, mesh_shape) for name in names}
+    _hand_off(rank_files, states)
+    meshes = _mesh_infos(states)
+    mesh_shape, mesh_dim_names = _mesh_of(meshes, rank_files)
+    tensors = {name: _source_tensor(name, states, rank_files, mesh_shape, meshes) for name in names}
     return ShardIndex(
         checkpoint_dir=rank_files.checkpoint_dir,
         world_size=rank_files.world_size,
@@ -289,34 +294,49 @@ def _check_same_keys(states: list[dict[str, torch.Tensor]], rank_files: RankFile
             )
 
 
+@dataclass(frozen=True)
+class _MeshInfo:
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...] | None
+    coordinates: dict[int, tuple[int, ...]]
+    """Each rank's position in the mesh."""
+
+
+def _mesh_infos(states: list[dict[str, torch.Tensor]]) -> dict[int, _MeshInfo]:
+    """One entry per distinct DeviceMesh object (`DeviceMesh.mesh` is costly, so each is read once)."""
+    infos: dict[int, _MeshInfo] = {}
+    for state in states:
+        for tensor in state.values():
+            if isinstance(tensor, DTensor) and id(tensor.device_mesh) not in infos:
+                mesh = tensor.device_mesh.mesh
+                coordinates = {
+                    int(rank): tuple(int(i) for i in (mesh == rank).nonzero()[0]) for rank in mesh.flatten()
+                }
+                infos[id(tensor.device_mesh)] = _MeshInfo(
+                    tuple(mesh.shape), tensor.device_mesh.mesh_dim_names, coordinates
+                )
+    return infos
+
+
 def _mesh_of(
-    states: list[dict[str, torch.Tensor]], rank_files: RankFiles
+    meshes: dict[int, _MeshInfo], rank_files: RankFiles
 ) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
     """The device mesh every DTensor uses (one mesh for the whole checkpoint), checked against the world size."""
-    meshes = {
-        (
-            tuple(t.device_mesh.mesh.shape),
-            t.device_mesh.mesh_dim_names,
-            tuple(t.device_mesh.mesh.flatten().tolist()),
-        )
-        for state in states
-        for t in state.values()
-        if isinstance(t, DTensor)
-    }
-    if not meshes:
+    distinct = {(info.shape, info.dim_names, tuple(sorted(info.coordinates))) for info in meshes.values()}
+    if not distinct:
         return (rank_files.world_size,), None
-    if len(meshes) > 1:
-        shapes = ", ".join(sorted(f"{shape} {names}" for shape, names, _ in meshes))
+    if len(distinct) > 1:
+        shapes = ", ".join(sorted(f"{shape} {names}" for shape, names, _ in distinct))
         raise CheckpointError(f"tensors of {rank_files.checkpoint_dir} use different device meshes: {shapes}")
-    shape, names, ranks = meshes.pop()
+    shape, names, ranks = distinct.pop()
     if names is not None and not set(names) <= SUPPORTED_MESH_DIM_NAMES:
         raise CheckpointError(
             f"unsupported device mesh dims {names} in {rank_files.paths[0]}: mergeflow merges FSDP/HSDP meshes "
             f"with dims named {quoted(SUPPORTED_MESH_DIM_NAMES)}"
         )
-    if sorted(ranks) != list(range(rank_files.world_size)):
+    if list(ranks) != list(range(rank_files.world_size)):
         raise CheckpointError(
-            f"device mesh {shape} of {rank_files.paths[0]} holds ranks {sorted(ranks)}, "
+            f"device mesh {shape} of {rank_files.paths[0]} holds ranks {list(ranks)}, "
             f"but the checkpoint has world_size={rank_files.world_size}"
         )
     return shape, names
@@ -338,7 +358,11 @@ def _placement_names(tensor: DTensor, name: str, path: str) -> tuple[str, ...]:
 
 
 def _source_tensor(
-    name: str, states: list[dict[str, torch.Tensor]], rank_files: RankFiles, mesh_shape: tuple[int, ...]
+    name: str,
+    states: list[dict[str, torch.Tensor]],
+    rank_files: RankFiles,
+    mesh_shape: tuple[int, ...],
+    meshes: dict[int, _MeshInfo],
 ) -> SourceTensor:
     first = states[0][name]
     if not isinstance(first, DTensor):
@@ -354,7 +378,7 @@ def _source_tensor(
             )
         if _placement_names(tensor, name, path) != placements:
             raise CheckpointError(f'tensor "{name}" has different placements on {path} than on rank 0')
-        coordinate = tuple(int(i) for i in (tensor.device_mesh.mesh == rank).nonzero()[0].tolist())
+        coordinate = meshes[id(tensor.device_mesh)].coordinates[rank]
         offset, local_shape = local_block(shape, mesh_shape, coordinate, placements)
         actual = tuple(tensor._local_tensor.shape)
         if actual != local_shape:

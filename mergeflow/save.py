@@ -1,19 +1,23 @@
 """Execute a merge plan: stream every tensor into safetensors files and write the model folder atomically."""
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from mergeflow.dtypes import parse_dtype_name
-from mergeflow.fsdp import RankReader, ShardIndex
+from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec, copy_side_files, write_config, write_generation_config
 from mergeflow.output import staged_output
-from mergeflow.planning import INDEX_FILE, MergePlan
+from mergeflow.placement import Block
+from mergeflow.planning import INDEX_FILE, MergePlan, OutputTensor
+from mergeflow.rank_reader import RankReader
 from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry
-from mergeflow.streaming import tensor_chunks
+from mergeflow.streaming import CHUNK_BYTES, prefetched, tensor_chunks
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,15 @@ def save_model(
     *,
     overwrite: bool = False,
     progress: bool = True,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> SavedModel:
-    """Write the merged model to `target_dir`: weights, index, config, generation config and side files."""
+    """Write the merged model to `target_dir`: weights, index, config, generation config and side files.
+
+    `chunk_bytes` bounds each assembled block of rows, and so the merge's memory.
+    """
     started = time.monotonic()
     with staged_output(Path(target_dir), overwrite=overwrite) as staging:
-        write_weights(plan, index, staging, progress=progress)
+        write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
         write_weight_index(plan, staging)
         write_config(spec, staging, plan.config_dtype)
         write_generation_config(spec, staging)
@@ -64,26 +72,50 @@ def save_model(
     )
 
 
-def write_weights(plan: MergePlan, index: ShardIndex, output_dir: Path, *, progress: bool = True) -> None:
-    """Stream each planned tensor from the rank files into its safetensors file."""
+def write_weights(
+    plan: MergePlan,
+    index: ShardIndex,
+    output_dir: Path,
+    *,
+    progress: bool = True,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
+    """Stream each planned tensor from the rank files into its safetensors file.
+
+    Chunks are assembled on a background thread while the previous ones are written.
+    """
+    files = {
+        filename: sorted((plan.tensors[name] for name in names), key=_safetensors_order)
+        for filename, names in plan.shard_to_names.items()
+    }
     with (
         RankReader(index.rank_files) as reader,
         tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar,
+        contextlib.ExitStack() as open_file,
     ):
-        for filename, names in plan.shard_to_names.items():
-            tensors = sorted((plan.tensors[name] for name in names), key=_safetensors_order)
-            entries = [TensorEntry(t.name, t.dtype, t.shape) for t in tensors]
-            with SafetensorsWriter(output_dir / filename, entries) as writer:
-                for tensor in tensors:
-                    source = index.tensors[tensor.source]
-                    chunks = tensor_chunks(
-                        source,
-                        parse_dtype_name(tensor.dtype),
-                        lambda block, source=source: reader.local(source.name, block.rank),
-                    )
-                    for chunk in chunks:
-                        writer.write(tensor.name, chunk)
-                        bar.update(chunk.numel() * chunk.element_size())
+        writer = None
+        for filename, name, chunk in prefetched(_chunks_in_write_order(files, index, reader, chunk_bytes)):
+            if writer is None or writer.path.name != filename:
+                open_file.close()
+                entries = [TensorEntry(t.name, t.dtype, t.shape) for t in files[filename]]
+                writer = open_file.enter_context(SafetensorsWriter(output_dir / filename, entries))
+            writer.write(name, chunk)
+            bar.update(chunk.numel() * chunk.element_size())
+
+
+def _chunks_in_write_order(
+    files: dict[str, list[OutputTensor]], index: ShardIndex, reader: RankReader, chunk_bytes: int
+):
+    for filename, tensors in files.items():
+        for tensor in tensors:
+            source = index.tensors[tensor.source]
+            copy_rows = partial(_copy_rows, reader, source.name)
+            for chunk in tensor_chunks(source, parse_dtype_name(tensor.dtype), copy_rows, chunk_bytes):
+                yield filename, tensor.name, chunk
+
+
+def _copy_rows(reader: RankReader, name: str, block: Block, start: int, stop: int, into) -> None:
+    reader.read_rows(name, block.rank, start, stop, into)
 
 
 def _safetensors_order(tensor) -> tuple[int, str]:

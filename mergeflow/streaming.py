@@ -1,6 +1,12 @@
-"""Assemble a global tensor from its rank blocks, a bounded block of rows at a time."""
+"""Assemble global tensors from their rank blocks, a bounded block of rows at a time, ahead of the writer.
 
-from collections.abc import Callable, Iterator
+Memory stays bounded by the chunk size times the prefetch depth, whatever the model or tensor size.
+"""
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -8,39 +14,43 @@ from mergeflow.fsdp import SourceTensor
 from mergeflow.placement import Block
 
 CHUNK_BYTES = 64 * 1024 * 1024
+PREFETCH_DEPTH = 2
 
-BlockReader = Callable[[Block], torch.Tensor]
-"""Returns the local tensor a block's rank holds for the tensor being assembled."""
+CopyRows = Callable[[Block, int, int, torch.Tensor], None]
+"""`copy_rows(block, start, stop, into)`: copy rows `[start, stop)` of the block's local tensor into `into`
+(casting to its dtype). Rows count from the block's first row; a 0-d tensor is copied whole."""
+
+Item = TypeVar("Item")
 
 
 def row_ranges(
     shape: tuple[int, ...], itemsize: int, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[tuple[int, int]]:
+) -> list[tuple[int, int]]:
     """Split dim 0 into `[start, stop)` ranges of at most `chunk_bytes` (at least one row each)."""
     if not shape or shape[0] == 0:
-        yield 0, 0
-        return
+        return [(0, 0)]
     row_bytes = itemsize
     for size in shape[1:]:
         row_bytes *= size
     rows = max(1, chunk_bytes // max(row_bytes, 1))
-    for start in range(0, shape[0], rows):
-        yield start, min(start + rows, shape[0])
+    return [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
 
 
 def tensor_chunks(
-    source: SourceTensor, dtype: torch.dtype, read_block: BlockReader, chunk_bytes: int = CHUNK_BYTES
+    source: SourceTensor, dtype: torch.dtype, copy_rows: CopyRows, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[torch.Tensor]:
     """The tensor's contents in `dtype`, as consecutive row blocks of the global tensor."""
     if not source.shape:
-        yield read_block(source.blocks[0]).to(dtype)
+        scalar = torch.empty((), dtype=dtype)
+        copy_rows(source.blocks[0], 0, 0, scalar)
+        yield scalar
         return
     for start, stop in row_ranges(source.shape, dtype.itemsize, chunk_bytes):
-        yield assemble_rows(source, start, stop, dtype, read_block)
+        yield assemble_rows(source, start, stop, dtype, copy_rows)
 
 
 def assemble_rows(
-    source: SourceTensor, start: int, stop: int, dtype: torch.dtype, read_block: BlockReader
+    source: SourceTensor, start: int, stop: int, dtype: torch.dtype, copy_rows: CopyRows
 ) -> torch.Tensor:
     """Rows `[start, stop)` of the global tensor, cast to `dtype`, copied from the blocks that hold them."""
     out = torch.empty((stop - start, *source.shape[1:]), dtype=dtype)
@@ -52,5 +62,50 @@ def assemble_rows(
         target = out[low - start : high - start]
         for dim in range(1, len(source.shape)):
             target = target.narrow(dim, block.offset[dim], block.shape[dim])
-        target.copy_(read_block(block)[low - first_row : high - first_row])
+        copy_rows(block, low - first_row, high - first_row, target)
     return out
+
+
+def prefetched(items: Iterable[Item], depth: int = PREFETCH_DEPTH) -> Iterator[Item]:
+    """Produce `items` on a background thread, at most `depth` ahead of the consumer.
+
+    Reading and casting (preads and torch, which release the GIL) then overlap with the consumer's
+    writes. An exception in the producer is raised in the consumer; a consumer that stops early
+    stops the producer.
+    """
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not _put(buffer, (None, item), stop):
+                    return
+            _put(buffer, (None, done), stop)
+        except BaseException as error:
+            _put(buffer, (error, None), stop)
+
+    producer = threading.Thread(target=produce, name="mergeflow-prefetch", daemon=True)
+    producer.start()
+    try:
+        while True:
+            error, item = buffer.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        producer.join()
+
+
+def _put(buffer: queue.Queue, entry: tuple, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            buffer.put(entry, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False

@@ -10,6 +10,7 @@ from mergeflow.fsdp import find_rank_files, index_shards
 from mergeflow.hf_config import default_config_dir, load_model_spec
 from mergeflow.planning import plan_merge
 from mergeflow.save import SavedModel, save_model
+from mergeflow.streaming import CHUNK_BYTES
 
 INPUT_IDS = torch.tensor([[2, 5, 7, 11, 13, 17, 19, 23, 29, 31]])
 
@@ -18,10 +19,13 @@ def merge_with_engine(checkpoint_dir: Path, target_dir: Path, **options) -> Save
     """The flow's steps called directly, without Prefect."""
     max_shard_size = options.pop("max_shard_size", "5GB")
     overwrite = options.pop("overwrite", False)
+    chunk_bytes = options.pop("chunk_bytes", CHUNK_BYTES)
     spec = load_model_spec(default_config_dir(checkpoint_dir))
     index = index_shards(find_rank_files(checkpoint_dir))
     plan = plan_merge(index, spec, max_shard_size=max_shard_size, **options)
-    return save_model(plan, index, spec, target_dir, overwrite=overwrite, progress=False)
+    return save_model(
+        plan, index, spec, target_dir, overwrite=overwrite, progress=False, chunk_bytes=chunk_bytes
+    )
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:

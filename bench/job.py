@@ -1,0 +1,79 @@
+"""Run one merge in this process and print its measurements as JSON (the bench runs each in a fresh child).
+
+    python -m bench.job mergeflow|verl CHECKPOINT_DIR TARGET_DIR
+
+Peak RSS is this process's `ru_maxrss`; bytes read and written are the storage-layer counters of
+/proc/self/io (page-cache hits read nothing), with `rchar`/`wchar` for bytes passed through syscalls.
+"""
+
+import json
+import resource
+import sys
+import time
+import types
+from pathlib import Path
+
+VERL_PACKAGE = "verl"
+
+
+def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
+    from mergeflow.fsdp import find_rank_files, index_shards
+    from mergeflow.hf_config import default_config_dir, load_model_spec
+    from mergeflow.planning import plan_merge
+    from mergeflow.save import save_model
+
+    spec = load_model_spec(default_config_dir(checkpoint_dir))
+    index = index_shards(find_rank_files(checkpoint_dir))
+    save_model(plan_merge(index, spec, dtype="bf16"), index, spec, target_dir, progress=False)
+
+
+def import_verl_merger():
+    """verl's merger without running verl/__init__ (which imports ray and the trainer)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(VERL_PACKAGE)
+    package = types.ModuleType(VERL_PACKAGE)
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules[VERL_PACKAGE] = package
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    return ModelMergerConfig, FSDPModelMerger
+
+
+def merge_with_verl(checkpoint_dir: Path, target_dir: Path) -> None:
+    config_class, merger_class = import_verl_merger()
+    config = config_class(operation="merge", backend="fsdp", local_dir=str(checkpoint_dir),
+                          hf_model_config_path=str(checkpoint_dir / "huggingface"), target_dir=str(target_dir))
+    target_dir.mkdir(parents=True, exist_ok=True)
+    merger_class(config).merge_and_save()
+
+
+TOOLS = {"mergeflow": merge_with_mergeflow, "verl": merge_with_verl}
+
+
+def io_counters() -> dict[str, int]:
+    counters = {}
+    for line in Path("/proc/self/io").read_text().splitlines():
+        key, value = line.split(":")
+        counters[key] = int(value)
+    return counters
+
+
+def main() -> None:
+    tool, checkpoint_dir, target_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    before = io_counters()
+    started = time.perf_counter()
+    TOOLS[tool](checkpoint_dir, target_dir)
+    wall = time.perf_counter() - started
+    after = io_counters()
+    print(json.dumps({
+        "tool": tool,
+        "wall_seconds": wall,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **{key: after[key] - before[key] for key in ("read_bytes", "write_bytes", "rchar", "wchar")},
+    }))
+
+
+if __name__ == "__main__":
+    main()

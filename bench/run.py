@@ -1,0 +1,174 @@
+"""Benchmark mergeflow against verl's merger on large verl-layout FSDP checkpoints, side by side.
+
+    python -m bench.run --workdir /data/mergeflow-bench [--models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b]
+                        [--verl-models qwen2.5-0.5b qwen2.5-1.5b] [--json bench/results/bench.json]
+
+For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, measures the I/O floor
+(`cat` of the shards from a cold page cache, plus writing the output's size once), then runs each
+tool in a fresh process with a cold and a warm page cache, and checks that mergeflow's and verl's
+outputs hold identical tensors. verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from bench.make_checkpoint import write_checkpoint
+
+MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"]
+VERL_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]
+"""verl holds every shard plus a bf16 copy in RAM: 3B (~19 GB) is too close to a 24 GB machine."""
+WORLD_SIZE = 8
+WRITE_BLOCK = 64 * 1024 * 1024
+GB = 1e9
+
+
+def shard_files(checkpoint_dir: Path) -> list[Path]:
+    return sorted(checkpoint_dir.glob("model_world_size_*_rank_*.pt"))
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Evict files from the page cache (clean pages only: sync first)."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_page_cache(paths: list[Path]) -> None:
+    subprocess.run(["cat", *map(str, paths)], stdout=subprocess.DEVNULL, check=True)
+
+
+def io_floor(checkpoint_dir: Path, output_bytes: int, scratch: Path) -> dict[str, float]:
+    """Seconds to read the shards cold with `cat`, and to write `output_bytes` once (buffered, as cp does)."""
+    shards = shard_files(checkpoint_dir)
+    drop_page_cache(shards)
+    started = time.perf_counter()
+    warm_page_cache(shards)
+    read_seconds = time.perf_counter() - started
+    block = bytes(WRITE_BLOCK)
+    started = time.perf_counter()
+    with open(scratch, "wb") as file:
+        for offset in range(0, output_bytes, WRITE_BLOCK):
+            file.write(block[: min(WRITE_BLOCK, output_bytes - offset)])
+    write_seconds = time.perf_counter() - started
+    scratch.unlink()
+    os.sync()
+    return {"cat_seconds": read_seconds, "write_seconds": write_seconds}
+
+
+def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool) -> dict:
+    shutil.rmtree(target_dir, ignore_errors=True)
+    if cold:
+        drop_page_cache(shard_files(checkpoint_dir))
+    else:
+        warm_page_cache(shard_files(checkpoint_dir))
+    result = subprocess.run([sys.executable, "-m", "bench.job", tool, str(checkpoint_dir), str(target_dir)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{tool} failed on {checkpoint_dir}:\n{result.stderr[-3000:]}")
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    os.sync()
+    return {**measured, "cache": "cold" if cold else "warm"}
+
+
+def output_tensors(model_dir: Path) -> dict[str, Path]:
+    return {name: path for path in sorted(model_dir.glob("*.safetensors"))
+            for name in safe_open(path, framework="pt").keys()}
+
+
+def identical_outputs(first: Path, second: Path) -> bool:
+    """Same tensor names, and every tensor equal in dtype, shape and bits (read one at a time)."""
+    first_files, second_files = output_tensors(first), output_tensors(second)
+    if first_files.keys() != second_files.keys():
+        return False
+    for name in first_files:
+        with safe_open(first_files[name], framework="pt") as a, safe_open(second_files[name], framework="pt") as b:
+            left, right = a.get_tensor(name), b.get_tensor(name)
+            if left.dtype != right.dtype or not torch.equal(left, right):
+                return False
+    return True
+
+
+def output_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+
+
+def bench_model(model: str, workdir: Path, with_verl: bool) -> dict:
+    checkpoint_dir = workdir / "checkpoints" / model
+    if not (checkpoint_dir / "fsdp_config.json").exists() or len(shard_files(checkpoint_dir)) != WORLD_SIZE:
+        print(f"writing {model} checkpoint ({WORLD_SIZE} ranks, fp32) ...", flush=True)
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        write_checkpoint(model, WORLD_SIZE, checkpoint_dir)
+    shard_bytes = sum(path.stat().st_size for path in shard_files(checkpoint_dir))
+    outputs = {tool: workdir / "outputs" / f"{model}-{tool}" for tool in ("mergeflow", "verl")}
+    runs = []
+    tools = ["mergeflow", "verl"] if with_verl else ["mergeflow"]
+    for tool in tools:
+        for cold in (True, False):
+            print(f"{model}: {tool} ({'cold' if cold else 'warm'} cache) ...", flush=True)
+            target = outputs[tool] if cold else outputs[tool].with_name(outputs[tool].name + "-warm")
+            runs.append({"model": model, **run_job(tool, checkpoint_dir, target, cold=cold)})
+            if not cold:
+                shutil.rmtree(target)
+    floor = io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin")
+    result = {
+        "model": model,
+        "shard_bytes": shard_bytes,
+        "output_bytes": output_bytes(outputs["mergeflow"]),
+        **floor,
+        "runs": runs,
+        "identical_to_verl": identical_outputs(outputs["mergeflow"], outputs["verl"]) if with_verl else None,
+    }
+    for path in outputs.values():
+        shutil.rmtree(path, ignore_errors=True)
+    return result
+
+
+def table(results: list[dict]) -> str:
+    header = ("model", "tool", "cache", "wall s", "vs verl", "vs I/O floor", "peak RSS GB", "read GB", "written GB")
+    rows = [header]
+    for result in results:
+        floor = result["cat_seconds"] + result["write_seconds"]
+        verl = {run["cache"]: run["wall_seconds"] for run in result["runs"] if run["tool"] == "verl"}
+        for run in result["runs"]:
+            ratio = f"{run['wall_seconds'] / verl[run['cache']]:.2f}x" if run["cache"] in verl else "-"
+            rows.append((result["model"], run["tool"], run["cache"], f"{run['wall_seconds']:.1f}", ratio,
+                         f"{floor / run['wall_seconds']:.0%}", f"{run['peak_rss_bytes'] / GB:.2f}",
+                         f"{run['read_bytes'] / GB:.2f}", f"{run['write_bytes'] / GB:.2f}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    lines = [" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    floors = [f"{r['model']}: cat {r['cat_seconds']:.1f}s + write {r['write_seconds']:.1f}s, "
+              f"{r['shard_bytes'] / GB:.2f} GB -> {r['output_bytes'] / GB:.2f} GB, "
+              f"identical to verl: {r['identical_to_verl']}" for r in results]
+    return "\n".join([*lines, "", "I/O floor (same run):", *floors])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--verl-models", nargs="*", default=VERL_MODELS)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/bench.json"))
+    args = parser.parse_args()
+    results = [bench_model(model, args.workdir, model in args.verl_models) for model in args.models]
+    print(table(results))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"\nwritten: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

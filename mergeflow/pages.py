@@ -1,0 +1,47 @@
+"""Page-level views of memory-mapped shards: are their pages in the page cache, and drop them after use.
+
+Pages touched through an mmap count in the process's RSS until unmapped. Dropping them once a block
+has been copied (MADV_DONTNEED on a read-only private file mapping: they are re-read from the file if
+touched again) keeps peak RSS flat however large the model. `mincore` tells, without reading
+anything, whether a mapped range is in the page cache.
+"""
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+
+import torch
+
+MADV_DONTNEED = 4
+PAGE_SIZE = mmap.PAGESIZE
+
+_libc = (
+    ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
+)
+
+
+def _advise(tensor: torch.Tensor, advice: int) -> None:
+    if _libc is None or tensor.numel() == 0 or not tensor.is_contiguous():
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    aligned = start - start % PAGE_SIZE
+    _libc.madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(end - aligned), ctypes.c_int(advice))
+
+
+def in_page_cache(address: int, length: int) -> bool:
+    """Whether every page of the mapped range `[address, address + length)` is in the page cache."""
+    if _libc is None or length <= 0:
+        return False
+    aligned = address - address % PAGE_SIZE
+    span = address + length - aligned
+    residency = (ctypes.c_ubyte * (-(-span // PAGE_SIZE)))()
+    if _libc.mincore(ctypes.c_void_p(aligned), ctypes.c_size_t(span), residency) != 0:
+        return False
+    return all(page & 1 for page in bytes(residency))
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Drop a memory-mapped tensor's pages from this process (the page cache keeps them)."""
+    _advise(tensor, MADV_DONTNEED)
