@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mergeflow.errors import MergeflowError
+from mergeflow.errors import MergeflowError, ValidationError
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
 
 PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migrates its database slowly
@@ -16,6 +16,7 @@ PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migr
     "DO_NOT_TRACK": "1",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
+EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 DTYPES = ("bf16", "fp16", "fp32", "keep")
 
@@ -59,6 +60,11 @@ def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tolerance_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
+    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mergeflow", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +81,34 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default=MAX_SHARD_SIZE)
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty target directory")
     merge.add_argument("--no-progress", dest="progress", action="store_false")
+    merge.add_argument(
+        "--test_hf_dir",
+        "--test-hf-dir",
+        dest="test_hf_dir",
+        default=None,
+        help="also compare the merged model with this reference model",
+    )
+    merge.add_argument(
+        "--check-logits",
+        "--check_logits",
+        dest="check_logits",
+        action="store_true",
+        help="with --test_hf_dir: also compare logits (on CPU, when both models fit in RAM)",
+    )
+
+    test = commands.add_parser("test", help="compare a checkpoint's merged tensors with a reference model")
+    _add_checkpoint_options(test)
+    test.add_argument("--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
+    test.add_argument("--dtype", choices=DTYPES, default=None, help="default: the reference's dtype")
+    _add_tolerance_options(test)
+
+    validate = commands.add_parser(
+        "validate", help="check a merged model folder, optionally against a reference"
+    )
+    validate.add_argument("target_dir")
+    validate.add_argument("--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", default=None)
+    validate.add_argument("--check-logits", "--check_logits", dest="check_logits", action="store_true")
+    _add_tolerance_options(validate)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint without merging it")
     inspect.add_argument("local_dir")
@@ -105,9 +139,46 @@ def run_merge(args: argparse.Namespace) -> int:
         is_value_model=args.is_value_model,
         tie_word_embedding=args.tie_word_embedding,
         overwrite=args.overwrite,
+        test_hf_dir=args.test_hf_dir,
+        check_logits=args.check_logits,
         progress=args.progress,
     )
     print(f"merged {args.local_dir} -> {saved.target_dir} ({saved.num_tensors} tensors, {saved.dtype})")
+    return 0
+
+
+def run_test(args: argparse.Namespace) -> int:
+    from flows.verify import verify_checkpoint
+
+    report = verify_checkpoint(
+        local_dir=args.local_dir,
+        test_hf_dir=args.test_hf_dir,
+        backend=args.backend,
+        dtype=args.dtype,
+        hf_model_config_path=args.hf_model_config_path,
+        trust_remote_code=args.trust_remote_code,
+        is_value_model=args.is_value_model,
+        atol=args.atol,
+        rtol=args.rtol,
+    )
+    print(f"{args.local_dir}: {report.tensors_compared} tensors equal {args.test_hf_dir}")
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from flows.validate import validate_folder
+
+    report = validate_folder(
+        target_dir=args.target_dir,
+        test_hf_dir=args.test_hf_dir,
+        check_logits=args.check_logits,
+        atol=args.atol,
+        rtol=args.rtol,
+    )
+    against = f", {report.tensors_compared} tensors equal {args.test_hf_dir}" if args.test_hf_dir else ""
+    print(f"{args.target_dir}: complete{against}")
+    if report.logits is not None:
+        print(report.logits.message)
     return 0
 
 
@@ -130,7 +201,13 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if demo(workdir) else 1
 
 
-COMMANDS = {"merge": run_merge, "inspect": run_inspect, "demo": run_demo}
+COMMANDS = {
+    "merge": run_merge,
+    "test": run_test,
+    "validate": run_validate,
+    "inspect": run_inspect,
+    "demo": run_demo,
+}
 
 
 class _HideExpectedTracebacks(logging.Filter):
@@ -161,13 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
-    if args.command in ("merge", "demo"):
+    if args.command in ("merge", "test", "validate", "demo"):
         _quiet_console_tracebacks()
     try:
         return COMMANDS[args.command](args)
     except MergeflowError as e:
         print(f"mergeflow: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_VALIDATION_FAILED if isinstance(e, ValidationError) else EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""The merge pipeline: world size, config, shards, merge, save."""
+"""The merge pipeline: world size, config, shards, merge, save, validate, report."""
 
+import time
 from pathlib import Path
 
 from prefect import flow
 
-from mergeflow.errors import OptionError
+from mergeflow.errors import OptionError, ValidationError
 from mergeflow.output import check_target
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
 from mergeflow.save import SavedModel
@@ -12,9 +13,16 @@ from tasks.detect_world_size import detect_world_size
 from tasks.load_config import load_config
 from tasks.load_shards import load_shards
 from tasks.merge import merge
+from tasks.publish_report import publish_report
 from tasks.save import save
+from tasks.validate import validate
 
 BACKENDS = ("fsdp",)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise OptionError(f"backend '{backend}' is not supported yet: choose one of {', '.join(BACKENDS)}")
 
 
 @flow(name="merge-checkpoint")
@@ -29,11 +37,13 @@ def merge_checkpoint(
     is_value_model: bool = False,
     tie_word_embedding: bool = False,
     overwrite: bool = False,
+    test_hf_dir: str | None = None,
+    check_logits: bool = False,
     progress: bool = True,
 ) -> SavedModel:
-    """Merge a verl checkpoint directory (`global_step_N/actor`) into a Hugging Face model folder."""
-    if backend not in BACKENDS:
-        raise OptionError(f"backend '{backend}' is not supported yet: choose one of {', '.join(BACKENDS)}")
+    """Merge a verl checkpoint directory (`global_step_N/actor`) into a validated Hugging Face model folder."""
+    started = time.monotonic()
+    check_backend(backend)
     check_target(Path(target_dir), overwrite=overwrite)
 
     rank_files = detect_world_size(local_dir)
@@ -46,4 +56,10 @@ def merge_checkpoint(
     )
     index = load_shards(rank_files)
     plan = merge(index, spec, dtype=dtype, max_shard_size=max_shard_size)
-    return save(plan, index, spec, target_dir, overwrite=overwrite, progress=progress)
+    saved = save(plan, index, spec, target_dir, overwrite=overwrite, progress=progress)
+    report = validate(saved.target_dir, test_hf_dir, check_logits=check_logits)
+    publish_report(index, plan, report, saved=saved, seconds=time.monotonic() - started)
+
+    if not report.passed:
+        raise ValidationError(report.failure_message())
+    return saved

@@ -24,3 +24,7 @@ def quoted(names) -> str:
 
 class OptionError(MergeflowError):
     """An option's value is not one mergeflow accepts."""
+
+
+class ValidationError(MergeflowError):
+    """A merged model is incomplete, or differs from its reference."""

@@ -12,19 +12,21 @@ import mmap
 import os
 import struct
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from mergeflow import pages
 from mergeflow.fsdp import local_tensor, take_or_load
+from mergeflow.placement import Block
 
 ZIP_LOCAL_HEADER_SIZE = 30
 ZIP_LOCAL_HEADER_FORMAT = "<HH"
 ZIP_LOCAL_NAME_LENGTHS = slice(26, 30)
 DATA_RECORD_DIR = "data"
 ALIGNMENT = 4096
-STAGING_BYTES = 80 * 1024 * 1024
+STAGING_BYTES = 16 * 1024 * 1024
 
 
 def record_data_offsets(path: str | Path) -> set[int]:
@@ -103,6 +105,14 @@ class RankReader:
         row_bytes = source[0].numel() * source.element_size()
         data = self._read_direct(direct_fd, rank, offset + start * row_bytes, (stop - start) * row_bytes)
         into.copy_(data.view(source.dtype).view(rows.shape))
+
+    def copy_rows_of(self, name: str) -> Callable[[Block, int, int, torch.Tensor], None]:
+        """The `streaming.CopyRows` callable for tensor `name`: copies a block's rows from its rank."""
+
+        def copy_rows(block: Block, start: int, stop: int, into: torch.Tensor) -> None:
+            self.read_rows(name, block.rank, start, stop, into)
+
+        return copy_rows
 
     @staticmethod
     def _in_page_cache(rows: torch.Tensor) -> bool:

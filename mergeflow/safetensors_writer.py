@@ -23,7 +23,7 @@ from mergeflow.dtypes import SAFETENSORS_CODES, parse_dtype_name
 
 HEADER_ALIGNMENT = 8
 DIRECT_ALIGNMENT = 4096
-WRITE_BUFFER_BYTES = 32 * 1024 * 1024
+WRITE_BUFFER_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -13,7 +12,6 @@ from mergeflow.dtypes import parse_dtype_name
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec, copy_side_files, write_config, write_generation_config
 from mergeflow.output import staged_output
-from mergeflow.placement import Block
 from mergeflow.planning import INDEX_FILE, MergePlan, OutputTensor
 from mergeflow.rank_reader import RankReader
 from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry
@@ -109,13 +107,9 @@ def _chunks_in_write_order(
     for filename, tensors in files.items():
         for tensor in tensors:
             source = index.tensors[tensor.source]
-            copy_rows = partial(_copy_rows, reader, source.name)
+            copy_rows = reader.copy_rows_of(source.name)
             for chunk in tensor_chunks(source, parse_dtype_name(tensor.dtype), copy_rows, chunk_bytes):
                 yield filename, tensor.name, chunk
-
-
-def _copy_rows(reader: RankReader, name: str, block: Block, start: int, stop: int, into) -> None:
-    reader.read_rows(name, block.rank, start, stop, into)
 
 
 def _safetensors_order(tensor) -> tuple[int, str]:

@@ -13,7 +13,7 @@ import torch
 from mergeflow.fsdp import SourceTensor
 from mergeflow.placement import Block
 
-CHUNK_BYTES = 64 * 1024 * 1024
+CHUNK_BYTES = 32 * 1024 * 1024
 PREFETCH_DEPTH = 2
 
 CopyRows = Callable[[Block, int, int, torch.Tensor], None]

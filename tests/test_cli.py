@@ -137,3 +137,11 @@ def test_inspect_flags_a_value_model(fixtures, capsys):
 def test_inspect_of_a_bad_directory_exits_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "not an FSDP checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_demo_merges_a_fresh_fsdp2_checkpoint_and_matches_its_logits(tmp_path, capsys):
+    assert main(["demo", "--workdir", str(tmp_path)]) == 0
+    assert "logits of the merged model equal the original's (bf16): True" in capsys.readouterr().out
+    assert (tmp_path / "merged" / "model.safetensors").exists()

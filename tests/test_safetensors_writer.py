@@ -37,9 +37,10 @@ def test_a_tensor_written_in_chunks_reads_back_whole(tmp_path):
 
 
 def test_bytes_for_the_wrong_tensor_are_refused(tmp_path):
-    with pytest.raises(ValueError, match=r'expected bytes of "a\.weight"'), SafetensorsWriter(
-        tmp_path / "out.safetensors", entries(TENSORS)
-    ) as writer:
+    with (
+        pytest.raises(ValueError, match=r'expected bytes of "a\.weight"'),
+        SafetensorsWriter(tmp_path / "out.safetensors", entries(TENSORS)) as writer,
+    ):
         writer.write("b.bias", TENSORS["b.bias"])
 
 

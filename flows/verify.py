@@ -1,0 +1,46 @@
+"""verl's `test` operation: compare a checkpoint's merged tensors with a reference model, writing nothing."""
+
+import time
+from pathlib import Path
+
+from prefect import flow
+
+from flows.merge import check_backend
+from mergeflow.errors import ValidationError
+from mergeflow.validation import ValidationReport, reference_dtype_choice
+from tasks.compare_checkpoint import compare_checkpoint
+from tasks.detect_world_size import detect_world_size
+from tasks.load_config import load_config
+from tasks.load_shards import load_shards
+from tasks.merge import merge
+from tasks.publish_report import publish_report
+
+
+@flow(name="test-checkpoint")
+def verify_checkpoint(
+    local_dir: str,
+    test_hf_dir: str,
+    backend: str = "fsdp",
+    dtype: str | None = None,
+    hf_model_config_path: str | None = None,
+    trust_remote_code: bool = False,
+    is_value_model: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> ValidationReport:
+    """Merge in place and compare with `test_hf_dir`; `dtype` defaults to the reference's."""
+    started = time.monotonic()
+    check_backend(backend)
+
+    rank_files = detect_world_size(local_dir)
+    spec = load_config(
+        local_dir, hf_model_config_path, trust_remote_code=trust_remote_code, is_value_model=is_value_model
+    )
+    index = load_shards(rank_files)
+    plan = merge(index, spec, dtype=dtype or reference_dtype_choice(Path(test_hf_dir)))
+    report = compare_checkpoint(plan, index, spec, test_hf_dir, atol=atol, rtol=rtol)
+    publish_report(index, plan, report, saved=None, seconds=time.monotonic() - started)
+
+    if not report.passed:
+        raise ValidationError(report.failure_message())
+    return report

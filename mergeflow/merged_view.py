@@ -1,0 +1,48 @@
+"""A checkpoint's merged tensors as a tensor source, read straight from the rank files (nothing written).
+
+This is what `mergeflow test` compares against a reference, as verl's `test` does, but a block of
+rows at a time instead of the whole merged model in memory.
+"""
+
+import torch
+
+from mergeflow.dtypes import parse_dtype_name
+from mergeflow.fsdp import ShardIndex
+from mergeflow.model_folder import TensorInfo
+from mergeflow.planning import MergePlan
+from mergeflow.rank_reader import RankReader
+from mergeflow.streaming import assemble_rows, tensor_chunks
+
+
+class MergedCheckpoint:
+    """The tensors a merge plan would write, assembled on demand from the rank files."""
+
+    def __init__(self, plan: MergePlan, index: ShardIndex):
+        self._plan = plan
+        self._index = index
+        self._reader = RankReader(index.rank_files)
+
+    def names(self) -> list[str]:
+        return list(self._plan.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        tensor = self._plan.tensors[name]
+        return TensorInfo(parse_dtype_name(tensor.dtype), tensor.shape)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        tensor = self._plan.tensors[name]
+        source = self._index.tensors[tensor.source]
+        dtype = parse_dtype_name(tensor.dtype)
+        copy_rows = self._reader.copy_rows_of(source.name)
+        if not source.shape:
+            return next(tensor_chunks(source, dtype, copy_rows))
+        return assemble_rows(source, start, stop, dtype, copy_rows)
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> "MergedCheckpoint":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

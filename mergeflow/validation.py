@@ -1,0 +1,231 @@
+"""Validation of merged models: completeness, tensor-by-tensor comparison with a reference, logits.
+
+Tensors are compared bit for bit by default: a merge only copies and casts, so a correct merge
+equals the reference exactly once both are in the same dtype (a dtype mismatch is reported as
+such, never rounded away). `atol`/`rtol` loosen the comparison for references that went through
+other arithmetic. Logits are compared with the tolerances of `LOGITS_TOLERANCES`, in the merged
+model's dtype, because kernels may differ with memory alignment in the last bits.
+"""
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
+from mergeflow.errors import quoted
+from mergeflow.hf_config import load_model_spec
+from mergeflow.model_folder import SafetensorsFolder, TensorInfo, completeness_problems, open_model_folder
+from mergeflow.streaming import CHUNK_BYTES, row_ranges
+
+LOGITS_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-2,
+}
+"""Absolute tolerance on logits, by the dtype both models run in."""
+LOGITS_SEQUENCE_LENGTH = 16
+LOGITS_MEMORY_FACTOR = 3
+"""Both models must fit in available memory this many times over their weights, or logits are skipped."""
+MAX_REPORTED = 20
+
+
+@dataclass(frozen=True)
+class TensorDifference:
+    """How far one merged tensor is from the reference (0 and 0 when bit-identical)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    max_abs_diff: float
+    mismatched: int
+    """Elements outside the tolerance (with no tolerance: elements that are not bit-identical)."""
+
+
+@dataclass(frozen=True)
+class LogitsCheck:
+    compared: bool
+    passed: bool
+    message: str
+    max_abs_diff: float | None = None
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """The verdict on one merged model, small enough to pass between tasks and publish as artifacts."""
+
+    model_dir: str
+    reference_dir: str | None
+    problems: tuple[str, ...]
+    tensors_compared: int = 0
+    largest_differences: tuple[TensorDifference, ...] = field(default_factory=tuple)
+    logits: LogitsCheck | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and (self.logits is None or self.logits.passed)
+
+    def failure_message(self) -> str:
+        shown = list(self.problems[:5])
+        if self.logits is not None and not self.logits.passed:
+            shown.append(self.logits.message)
+        more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        against = f" against {self.reference_dir}" if self.reference_dir else ""
+        return f"validation of {self.model_dir}{against} failed: " + "; ".join(shown) + more
+
+
+def validate_model_dir(
+    model_dir: Path,
+    *,
+    reference_dir: Path | None = None,
+    check_logits: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> ValidationReport:
+    """Check a merged folder's completeness and, given a reference, its tensors (and optionally logits)."""
+    problems = completeness_problems(model_dir)
+    if problems or reference_dir is None:
+        return ValidationReport(
+            str(model_dir), str(reference_dir) if reference_dir else None, tuple(problems)
+        )
+    tied = load_model_spec(Path(model_dir)).tied
+    report = compare_to_reference(
+        SafetensorsFolder(model_dir), reference_dir, model_dir=str(model_dir), tied=tied, atol=atol, rtol=rtol
+    )
+    if check_logits and report.passed:
+        return ValidationReport(
+            **{**report.__dict__, "logits": compare_logits(Path(model_dir), Path(reference_dir))}
+        )
+    return report
+
+
+def compare_to_reference(
+    candidate,
+    reference_dir: Path,
+    *,
+    model_dir: str,
+    tied: dict[str, str],
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> ValidationReport:
+    """Compare a tensor source with the reference folder: key sets, shapes, dtypes, then values, streamed."""
+    reference = open_model_folder(Path(reference_dir))
+    candidate_names, reference_names = _comparable_names(candidate.names(), reference.names(), tied)
+    problems = []
+    missing = sorted(reference_names - candidate_names)
+    extra = sorted(candidate_names - reference_names)
+    if missing:
+        problems.append(f"missing key(s) {quoted(missing)}")
+    if extra:
+        problems.append(f"extra key(s) {quoted(extra)}")
+    differences = []
+    for name in [n for n in candidate.names() if n in reference_names]:
+        mine, theirs = candidate.info(name), reference.info(name)
+        if mine.shape != theirs.shape:
+            problems.append(f"shape mismatch for {name}: got {mine.shape}, expected {theirs.shape}")
+        elif mine.dtype != theirs.dtype:
+            problems.append(
+                f"dtype mismatch for {name}: got {dtype_name(mine.dtype)}, expected {dtype_name(theirs.dtype)}"
+            )
+        else:
+            difference = _compare_values(candidate, reference, name, mine, atol, rtol, chunk_bytes)
+            differences.append(difference)
+            if difference.mismatched:
+                problems.append(
+                    f"value mismatch for {name}: {difference.mismatched} element(s) differ, "
+                    f"max |diff| {difference.max_abs_diff:.6g}"
+                )
+    largest = sorted(differences, key=lambda d: (-d.max_abs_diff, -d.mismatched, d.name))[:MAX_REPORTED]
+    return ValidationReport(model_dir, str(reference_dir), tuple(problems), len(differences), tuple(largest))
+
+
+def _comparable_names(candidate: list[str], reference: list[str], tied: dict[str, str]) -> tuple[set, set]:
+    """Key sets with tied aliases left out where the tensor they alias is present, as transformers saves them."""
+    candidate_set, reference_set = set(candidate), set(reference)
+    for alias, kept in tied.items():
+        if kept in candidate_set:
+            candidate_set.discard(alias)
+        if kept in reference_set:
+            reference_set.discard(alias)
+    return candidate_set, reference_set
+
+
+def _compare_values(
+    candidate, reference, name: str, info: TensorInfo, atol: float, rtol: float, chunk_bytes: int
+) -> TensorDifference:
+    max_abs_diff, mismatched = 0.0, 0
+    for start, stop in row_ranges(info.shape, info.dtype.itemsize, chunk_bytes):
+        mine, theirs = candidate.rows(name, start, stop), reference.rows(name, start, stop)
+        if atol == 0 and rtol == 0:
+            different = _bits(mine) != _bits(theirs)
+        else:
+            different = ~torch.isclose(mine, theirs, atol=atol, rtol=rtol, equal_nan=True)
+        count = int(different.sum())
+        if count:
+            mismatched += count
+            gap = (mine.double() - theirs.double()).abs().nan_to_num(nan=float("inf"))
+            max_abs_diff = max(max_abs_diff, float(gap.max()))
+    return TensorDifference(name, dtype_name(info.dtype), info.shape, max_abs_diff, mismatched)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as same-width integers, so equality is bit for bit (-0.0 and NaNs included)."""
+    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.contiguous().view(integer) if tensor.dtype != torch.bool else tensor
+
+
+def compare_logits(model_dir: Path, reference_dir: Path) -> LogitsCheck:
+    """Load both models with transformers on CPU, in the merged dtype, and compare logits on a fixed sequence."""
+    weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if weights * LOGITS_MEMORY_FACTOR > available:
+        return LogitsCheck(
+            False,
+            True,
+            f"logits not compared: two {weights / 1e9:.1f} GB models do not fit in "
+            f"{available / 1e9:.1f} GB of available memory",
+        )
+    spec = load_model_spec(Path(model_dir))
+    model_class = getattr(transformers, spec.model_class)
+    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=spec.trust_remote_code)
+    dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    input_ids = torch.arange(1, LOGITS_SEQUENCE_LENGTH + 1).unsqueeze(0) % config.get_text_config().vocab_size
+    outputs = []
+    for directory in (model_dir, reference_dir):
+        model = model_class.from_pretrained(
+            directory, dtype=dtype, trust_remote_code=spec.trust_remote_code
+        ).eval()
+        with torch.no_grad():
+            outputs.append(model(input_ids).logits.double())
+        del model
+    gap = float((outputs[0] - outputs[1]).abs().max())
+    tolerance = LOGITS_TOLERANCES.get(dtype, LOGITS_TOLERANCES[torch.float32])
+    passed = gap <= tolerance
+    verdict = "match" if passed else "differ"
+    return LogitsCheck(
+        True,
+        passed,
+        f"logits {verdict} in {dtype_name(dtype)}: max |diff| {gap:.6g} (tolerance {tolerance:g})",
+        gap,
+    )
+
+
+def reference_dtype_choice(reference_dir: Path) -> str:
+    """The `--dtype` choice matching the reference's floating tensors (by bytes), for `mergeflow test`."""
+    reference = open_model_folder(Path(reference_dir))
+    by_dtype: Counter = Counter()
+    for name in reference.names():
+        info = reference.info(name)
+        if info.dtype.is_floating_point:
+            count = 1
+            for size in info.shape:
+                count *= size
+            by_dtype[info.dtype] += count * info.dtype.itemsize
+    dominant = by_dtype.most_common(1)[0][0] if by_dtype else torch.float32
+    return next((choice for choice, dtype in DTYPE_CHOICES.items() if dtype == dominant), "keep")

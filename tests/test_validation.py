@@ -1,0 +1,302 @@
+"""Validation: completeness of a merged folder, and tensor-by-tensor comparison with a reference."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from safetensors.torch import load_file, save_file
+
+from cli import EXIT_VALIDATION_FAILED, main
+from flows.merge import merge_checkpoint
+from mergeflow.validation import validate_model_dir
+from tasks.publish_report import artifact_key
+from tests.merging import merge_with_engine
+
+CHECKPOINT = "llama-untied-ws3"
+
+
+@pytest.fixture(scope="module")
+def merged_dir(fixtures, tmp_path_factory):
+    """The checkpoint merged in its own dtype (fp32), split over several files."""
+    target = tmp_path_factory.mktemp("validation") / "merged"
+    merge_with_engine(fixtures[CHECKPOINT].checkpoint_dir, target, dtype="keep", max_shard_size="10KB")
+    return target
+
+
+def edited_reference(fixtures, tmp_path, edit):
+    """A copy of the original model with its tensors passed through `edit(dict) -> dict`."""
+    reference = tmp_path / "reference"
+    shutil.copytree(fixtures[CHECKPOINT].reference_dir, reference)
+    tensors = edit(load_file(reference / "model.safetensors"))
+    save_file(tensors, reference / "model.safetensors", metadata={"format": "pt"})
+    return reference
+
+
+def test_correct_merge_passes(fixtures, merged_dir):
+    report = validate_model_dir(merged_dir, reference_dir=fixtures[CHECKPOINT].reference_dir)
+
+    assert report.passed, report.problems
+    assert report.tensors_compared == len(load_file(fixtures[CHECKPOINT].reference_dir / "model.safetensors"))
+
+
+def test_one_perturbed_tensor_fails_naming_it(fixtures, merged_dir, tmp_path):
+    def perturb(tensors):
+        tensors["model.layers.1.mlp.up_proj.weight"][3, 5] += 0.25
+        return tensors
+
+    report = validate_model_dir(merged_dir, reference_dir=edited_reference(fixtures, tmp_path, perturb))
+
+    assert not report.passed
+    assert report.problems == (
+        "value mismatch for model.layers.1.mlp.up_proj.weight: 1 element(s) differ, max |diff| 0.25",
+    )
+    assert report.largest_differences[0].name == "model.layers.1.mlp.up_proj.weight"
+
+
+def test_missing_key_fails_naming_it(fixtures, merged_dir, tmp_path):
+    def add(tensors):
+        return {**tensors, "model.layers.0.extra.weight": torch.zeros(2)}
+
+    report = validate_model_dir(merged_dir, reference_dir=edited_reference(fixtures, tmp_path, add))
+
+    assert report.problems == ('missing key(s) "model.layers.0.extra.weight"',)
+
+
+def test_extra_key_fails_naming_it(fixtures, merged_dir, tmp_path):
+    def remove(tensors):
+        del tensors["model.norm.weight"]
+        return tensors
+
+    report = validate_model_dir(merged_dir, reference_dir=edited_reference(fixtures, tmp_path, remove))
+
+    assert report.problems == ('extra key(s) "model.norm.weight"',)
+
+
+def test_shape_mismatch_fails_naming_the_key(fixtures, merged_dir, tmp_path):
+    def reshape(tensors):
+        tensors["model.norm.weight"] = torch.zeros(25)
+        return tensors
+
+    report = validate_model_dir(merged_dir, reference_dir=edited_reference(fixtures, tmp_path, reshape))
+
+    assert report.problems == ("shape mismatch for model.norm.weight: got (24,), expected (25,)",)
+
+
+def test_dtype_mismatch_fails_naming_the_key(fixtures, merged_dir, tmp_path):
+    def cast(tensors):
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)
+        return tensors
+
+    report = validate_model_dir(merged_dir, reference_dir=edited_reference(fixtures, tmp_path, cast))
+
+    assert report.problems == ("dtype mismatch for model.norm.weight: got float32, expected bfloat16",)
+
+
+def test_tolerances_accept_small_differences(fixtures, merged_dir, tmp_path):
+    def nudge(tensors):
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1e-7
+        return tensors
+
+    reference = edited_reference(fixtures, tmp_path, nudge)
+
+    assert not validate_model_dir(merged_dir, reference_dir=reference).passed
+    assert validate_model_dir(merged_dir, reference_dir=reference, atol=1e-6).passed
+
+
+def test_sharded_reference_works(fixtures, merged_dir, tmp_path):
+    reference = tmp_path / "sharded-reference"
+    merge_with_engine(fixtures[CHECKPOINT].checkpoint_dir, reference, dtype="keep", max_shard_size="4KB")
+
+    assert validate_model_dir(merged_dir, reference_dir=reference).passed
+
+
+def test_bin_reference_works(fixtures, merged_dir, tmp_path):
+    reference = tmp_path / "bin-reference"
+    reference.mkdir()
+    torch.save(
+        load_file(fixtures[CHECKPOINT].reference_dir / "model.safetensors"), reference / "pytorch_model.bin"
+    )
+
+    assert validate_model_dir(merged_dir, reference_dir=reference).passed
+
+
+def test_reference_holding_a_tied_alias_still_matches(fixtures, tmp_path):
+    merged = tmp_path / "merged"
+    merge_with_engine(fixtures["qwen2-ws2"].checkpoint_dir, merged, dtype="keep")
+    reference = tmp_path / "reference"
+    shutil.copytree(fixtures["qwen2-ws2"].reference_dir, reference)
+    tensors = load_file(reference / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, reference / "model.safetensors", metadata={"format": "pt"})
+
+    assert validate_model_dir(merged, reference_dir=reference).passed
+
+
+def test_logits_are_compared_on_request(fixtures, merged_dir):
+    report = validate_model_dir(
+        merged_dir, reference_dir=fixtures[CHECKPOINT].reference_dir, check_logits=True
+    )
+
+    assert report.logits.compared and report.logits.passed
+    assert report.logits.max_abs_diff == 0.0
+
+
+def sharded_copy(merged_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(merged_dir, copy)
+    return copy, sorted(copy.glob("model-*.safetensors"))
+
+
+def test_deleted_shard_fails_completeness(merged_dir, tmp_path):
+    copy, shards = sharded_copy(merged_dir, tmp_path)
+    shards[1].unlink()
+
+    report = validate_model_dir(copy)
+
+    assert report.problems == (f"missing weights file {shards[1]}",)
+
+
+def test_truncated_shard_fails_completeness(merged_dir, tmp_path):
+    copy, shards = sharded_copy(merged_dir, tmp_path)
+    os.truncate(shards[0], shards[0].stat().st_size - 10)
+
+    (problem,) = validate_model_dir(copy).problems
+
+    assert problem.startswith(f"truncated or padded safetensors file: {shards[0]}")
+
+
+def test_empty_shard_fails_completeness(merged_dir, tmp_path):
+    copy, shards = sharded_copy(merged_dir, tmp_path)
+    shards[0].write_bytes(b"")
+
+    (problem,) = validate_model_dir(copy).problems
+
+    assert problem.startswith(f"not a valid safetensors file: {shards[0]}")
+
+
+def test_stray_shard_fails_completeness(merged_dir, tmp_path):
+    copy, shards = sharded_copy(merged_dir, tmp_path)
+    shutil.copy(shards[0], copy / "model-00099-of-00099.safetensors")
+
+    assert validate_model_dir(copy).problems == (
+        "stray weights file(s) not in model.safetensors.index.json: model-00099-of-00099.safetensors",
+    )
+
+
+def test_index_listing_a_tensor_its_file_lacks_fails_completeness(merged_dir, tmp_path):
+    copy, _ = sharded_copy(merged_dir, tmp_path)
+    index_path = copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.ghost.weight"] = index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+
+    (problem,) = validate_model_dir(copy).problems
+
+    assert "lacks tensor(s) the index assigns it: model.ghost.weight" in problem
+
+
+def test_config_and_tokenizer_alone_fail_completeness(merged_dir, tmp_path):
+    copy, shards = sharded_copy(merged_dir, tmp_path)
+    for path in [*shards, copy / "model.safetensors.index.json"]:
+        path.unlink()
+
+    (problem,) = validate_model_dir(copy).problems
+
+    assert problem.startswith("no weights:")
+
+
+@pytest.mark.usefixtures("prefect_server")
+class TestCommands:
+    def test_test_command_compares_straight_from_the_checkpoint(self, fixtures, capsys):
+        code = main(
+            [
+                "test",
+                "--backend",
+                "fsdp",
+                "--local_dir",
+                str(fixtures[CHECKPOINT].checkpoint_dir),
+                "--test_hf_dir",
+                str(fixtures[CHECKPOINT].reference_dir),
+            ]
+        )
+
+        assert code == 0
+        assert "tensors equal" in capsys.readouterr().out
+
+    def test_test_command_exits_1_naming_the_perturbed_tensor(self, fixtures, tmp_path, capsys):
+        def perturb(tensors):
+            tensors["model.embed_tokens.weight"][0, 0] += 1.0
+            return tensors
+
+        reference = edited_reference(fixtures, tmp_path, perturb)
+
+        code = main(
+            ["test", "--local_dir", str(fixtures[CHECKPOINT].checkpoint_dir), "--test_hf_dir", str(reference)]
+        )
+
+        assert code == EXIT_VALIDATION_FAILED
+        assert "value mismatch for model.embed_tokens.weight: 1 element(s) differ, max |diff| 1" in (
+            capsys.readouterr().err
+        )
+
+    def test_test_command_casts_to_the_references_dtype(self, fixtures, tmp_path):
+        reference = tmp_path / "bf16-reference"
+        merge_with_engine(fixtures[CHECKPOINT].checkpoint_dir, reference, dtype="bf16")
+
+        assert (
+            main(
+                [
+                    "test",
+                    "--local_dir",
+                    str(fixtures[CHECKPOINT].checkpoint_dir),
+                    "--test_hf_dir",
+                    str(reference),
+                ]
+            )
+            == 0
+        )
+
+    def test_validate_command_checks_a_copied_folder(self, merged_dir, fixtures):
+        assert (
+            main(["validate", str(merged_dir), "--test_hf_dir", str(fixtures[CHECKPOINT].reference_dir)]) == 0
+        )
+
+    def test_validate_command_exits_1_on_an_incomplete_folder(self, merged_dir, tmp_path, capsys):
+        copy, shards = sharded_copy(merged_dir, tmp_path)
+        shards[0].unlink()
+
+        assert main(["validate", str(copy)]) == EXIT_VALIDATION_FAILED
+        assert f"missing weights file {shards[0]}" in capsys.readouterr().err
+
+    def test_merge_publishes_summary_and_difference_artifacts(self, fixtures, target_dir):
+        checkpoint = str(fixtures[CHECKPOINT].checkpoint_dir)
+        merge_checkpoint(
+            local_dir=checkpoint,
+            target_dir=str(target_dir),
+            dtype="keep",
+            test_hf_dir=str(fixtures[CHECKPOINT].reference_dir),
+            progress=False,
+        )
+
+        keys = [artifact_key("merge-summary", checkpoint), artifact_key("merge-differences", checkpoint)]
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys))
+            )
+
+        by_key = {artifact.key: artifact for artifact in artifacts}
+        assert set(by_key) == set(keys)
+        assert "| validation | passed |" in by_key[keys[0]].data
+        assert "| world size | 3 |" in by_key[keys[0]].data
+
+
+def test_artifact_keys_are_stable_per_checkpoint_and_valid():
+    key = artifact_key("merge-summary", "/runs/Run_A/global_step_120/actor")
+
+    assert key == artifact_key("merge-summary", "/runs/Run_A/global_step_120/actor")
+    assert key.startswith("merge-summary-run-a-global-step-120-actor-")
+    assert key != artifact_key("merge-summary", "/other/Run_A/global_step_120/actor")
