@@ -49,8 +49,9 @@ def tensor_file_offsets(path: str | Path, state: dict[str, torch.Tensor]) -> dic
 
     A memory-mapped load maps the whole file once and slices each storage out of it at its record's
     offset, so storage addresses differ exactly as record offsets do. The mapping's base address is
-    found from one storage and then checked against every other: if any storage does not land on a
-    record start, no offsets are returned and the reader falls back to the mapping.
+    the one that puts every storage on a record start (records of empty tensors hold no storage, so
+    the lowest storage need not be the first record); without one, no offsets are returned and the
+    reader falls back to the mapping.
     """
     records = record_data_offsets(path)
     storages = {}
@@ -60,9 +61,11 @@ def tensor_file_offsets(path: str | Path, state: dict[str, torch.Tensor]) -> dic
             storages[name] = (local.untyped_storage().data_ptr(), local)
     if not storages or not records:
         return {}
-    lowest_pointer = min(pointer for pointer, _ in storages.values())
-    base = lowest_pointer - min(records)
-    if any(pointer - base not in records for pointer, _ in storages.values()):
+    pointers = {pointer for pointer, _ in storages.values()}
+    lowest = min(pointers)
+    bases = (lowest - record for record in sorted(records))
+    base = next((b for b in bases if all(pointer - b in records for pointer in pointers)), None)
+    if base is None:
         return {}
     return {
         name: pointer - base + local.storage_offset() * local.element_size()
@@ -134,9 +137,7 @@ class RankReader:
 
     def _staging_buffer(self, size: int) -> mmap.mmap:
         if self._staging is None or len(self._staging) < size:
-            if self._staging is not None:
-                self._staging.close()
-            self._staging = mmap.mmap(-1, max(size, STAGING_BYTES))
+            self._staging = mmap.mmap(-1, max(size, STAGING_BYTES))  # the old one unmaps once unreferenced
         return self._staging
 
     def _open(self, rank: int) -> None:
@@ -154,9 +155,7 @@ class RankReader:
         self._direct_fds.clear()
         self._states.clear()
         self._offsets.clear()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._staging = None
 
     def __enter__(self) -> "RankReader":
         return self
