@@ -60,6 +60,24 @@ def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_lora_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--merge-lora",
+        "--merge_lora",
+        dest="merge_lora",
+        action="store_true",
+        help="fold LoRA into the base weights (default: base model plus lora_adapter/)",
+    )
+    parser.add_argument(
+        "--lora-alpha",
+        "--lora_alpha",
+        dest="lora_alpha",
+        type=float,
+        default=None,
+        help="LoRA alpha, when the checkpoint has no lora_train_meta.json or lora_adapter/ config",
+    )
+
+
 def _add_tolerance_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)")
@@ -71,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = commands.add_parser("merge", help="merge a checkpoint into a Hugging Face model folder")
     _add_checkpoint_options(merge)
+    _add_lora_options(merge)
     merge.add_argument("--target_dir", "--target-dir", dest="target_dir", default="tmp")
     merge.add_argument(
         "--dtype",
@@ -98,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     test = commands.add_parser("test", help="compare a checkpoint's merged tensors with a reference model")
     _add_checkpoint_options(test)
+    _add_lora_options(test)
     test.add_argument("--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
     test.add_argument("--dtype", choices=DTYPES, default=None, help="default: the reference's dtype")
     _add_tolerance_options(test)
@@ -141,6 +161,8 @@ def run_merge(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         test_hf_dir=args.test_hf_dir,
         check_logits=args.check_logits,
+        merge_lora=args.merge_lora,
+        lora_alpha=args.lora_alpha,
         progress=args.progress,
     )
     print(f"merged {args.local_dir} -> {saved.target_dir} ({saved.num_tensors} tensors, {saved.dtype})")
@@ -158,6 +180,8 @@ def run_test(args: argparse.Namespace) -> int:
         hf_model_config_path=args.hf_model_config_path,
         trust_remote_code=args.trust_remote_code,
         is_value_model=args.is_value_model,
+        merge_lora=args.merge_lora,
+        lora_alpha=args.lora_alpha,
         atol=args.atol,
         rtol=args.rtol,
     )

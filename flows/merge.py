@@ -10,6 +10,7 @@ from mergeflow.output import check_target
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
 from mergeflow.save import SavedModel
 from tasks.detect_world_size import detect_world_size
+from tasks.extract_lora import extract_lora
 from tasks.load_config import load_config
 from tasks.load_shards import load_shards
 from tasks.merge import merge
@@ -39,9 +40,15 @@ def merge_checkpoint(
     overwrite: bool = False,
     test_hf_dir: str | None = None,
     check_logits: bool = False,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
     progress: bool = True,
 ) -> SavedModel:
-    """Merge a verl checkpoint directory (`global_step_N/actor`) into a validated Hugging Face model folder."""
+    """Merge a verl checkpoint directory (`global_step_N/actor`) into a validated Hugging Face model folder.
+
+    A LoRA checkpoint gives the base model plus `lora_adapter/`, or with `merge_lora` the base model
+    with the LoRA folded in.
+    """
     started = time.monotonic()
     check_backend(backend)
     check_target(Path(target_dir), overwrite=overwrite)
@@ -55,10 +62,13 @@ def merge_checkpoint(
         tie_word_embedding=tie_word_embedding,
     )
     index = load_shards(rank_files)
-    plan = merge(index, spec, dtype=dtype, max_shard_size=max_shard_size)
-    saved = save(plan, index, spec, target_dir, overwrite=overwrite, progress=progress)
+    lora, adapter = extract_lora(index, spec, merge_lora=merge_lora, lora_alpha=lora_alpha, dtype=dtype)
+    plan = merge(index, spec, dtype=dtype, max_shard_size=max_shard_size, lora=lora)
+    saved = save(plan, index, spec, target_dir, adapter=adapter, overwrite=overwrite, progress=progress)
     report = validate(saved.target_dir, test_hf_dir, check_logits=check_logits)
-    publish_report(index, plan, report, saved=saved, seconds=time.monotonic() - started)
+    publish_report(
+        index, plan or adapter.weights, report, saved=saved, lora=lora, seconds=time.monotonic() - started
+    )
 
     if not report.passed:
         raise ValidationError(report.failure_message())

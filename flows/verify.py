@@ -6,10 +6,11 @@ from pathlib import Path
 from prefect import flow
 
 from flows.merge import check_backend
-from mergeflow.errors import ValidationError
+from mergeflow.errors import OptionError, ValidationError
 from mergeflow.validation import ValidationReport, reference_dtype_choice
 from tasks.compare_checkpoint import compare_checkpoint
 from tasks.detect_world_size import detect_world_size
+from tasks.extract_lora import extract_lora
 from tasks.load_config import load_config
 from tasks.load_shards import load_shards
 from tasks.merge import merge
@@ -25,10 +26,15 @@ def verify_checkpoint(
     hf_model_config_path: str | None = None,
     trust_remote_code: bool = False,
     is_value_model: bool = False,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
 ) -> ValidationReport:
-    """Merge in place and compare with `test_hf_dir`; `dtype` defaults to the reference's."""
+    """Merge in place and compare with `test_hf_dir`; `dtype` defaults to the reference's.
+
+    For a LoRA checkpoint the base model is compared, or with `merge_lora` the base with LoRA folded in.
+    """
     started = time.monotonic()
     check_backend(backend)
 
@@ -37,9 +43,13 @@ def verify_checkpoint(
         local_dir, hf_model_config_path, trust_remote_code=trust_remote_code, is_value_model=is_value_model
     )
     index = load_shards(rank_files)
-    plan = merge(index, spec, dtype=dtype or reference_dtype_choice(Path(test_hf_dir)))
+    dtype = dtype or reference_dtype_choice(Path(test_hf_dir))
+    lora, _ = extract_lora(index, spec, merge_lora=merge_lora, lora_alpha=lora_alpha, dtype=dtype)
+    plan = merge(index, spec, dtype=dtype, lora=lora)
+    if plan is None:
+        raise OptionError(f"{local_dir} is a LoRA-only checkpoint: it holds no base model to compare")
     report = compare_checkpoint(plan, index, spec, test_hf_dir, atol=atol, rtol=rtol)
-    publish_report(index, plan, report, saved=None, seconds=time.monotonic() - started)
+    publish_report(index, plan, report, saved=None, lora=lora, seconds=time.monotonic() - started)
 
     if not report.passed:
         raise ValidationError(report.failure_message())

@@ -137,6 +137,15 @@ def _make_value_config(config: PretrainedConfig, architecture: str) -> None:
     config.num_labels = 1
 
 
+def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
+    """The spec's model on the meta device (shapes and module structure, no memory)."""
+    config_dir = Path(spec.config_dir)
+    config = load_config(config_dir, trust_remote_code=spec.trust_remote_code)
+    if config.architectures != [spec.architecture]:
+        _make_value_config(config, spec.architecture)
+    return _meta_model(spec.model_class, config, spec.trust_remote_code, config_dir)
+
+
 def _meta_model(model_class: str, config: PretrainedConfig, trust_remote_code: bool, config_dir: Path):
     cls = getattr(transformers, model_class)
     try:

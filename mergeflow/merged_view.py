@@ -8,10 +8,10 @@ import torch
 
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.fsdp import ShardIndex
+from mergeflow.materialize import output_rows
 from mergeflow.model_folder import TensorInfo
 from mergeflow.planning import MergePlan
 from mergeflow.rank_reader import RankReader
-from mergeflow.streaming import assemble_rows, tensor_chunks
 
 
 class MergedCheckpoint:
@@ -30,13 +30,7 @@ class MergedCheckpoint:
         return TensorInfo(parse_dtype_name(tensor.dtype), tensor.shape)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        tensor = self._plan.tensors[name]
-        source = self._index.tensors[tensor.source]
-        dtype = parse_dtype_name(tensor.dtype)
-        copy_rows = self._reader.copy_rows_of(source.name)
-        if not source.shape:
-            return next(tensor_chunks(source, dtype, copy_rows))
-        return assemble_rows(source, start, stop, dtype, copy_rows)
+        return output_rows(self._plan.tensors[name], self._index, self._reader, start, stop)
 
     def close(self) -> None:
         self._reader.close()

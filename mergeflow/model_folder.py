@@ -5,16 +5,19 @@ comparison never holds a whole model. `completeness_problems` checks what a merg
 """
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import LoraConfig
 from safetensors import safe_open
 
 from mergeflow.dtypes import SAFETENSORS_CODES
 from mergeflow.errors import CheckpointError
 from mergeflow.hf_config import CONFIG_FILE
+from mergeflow.lora import ADAPTER_CONFIG_FILE, ADAPTER_SUBDIR, ADAPTER_WEIGHTS_FILE, lora_tensor_names
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -155,9 +158,38 @@ def completeness_problems(model_dir: Path) -> list[str]:
     """What is missing or inconsistent in a merged model folder (empty when it is complete).
 
     Checks: config.json parses; every file the index names exists and holds exactly the tensors the
-    index assigns it; no safetensors file outside the index; total_size matches the tensors' bytes.
+    index assigns it; no safetensors file outside the index; total_size matches the tensors' bytes;
+    and a `lora_adapter/` folder, when there is one, is a loadable PEFT adapter. A folder holding
+    only the adapter (from a LoRA-only checkpoint) is checked as such.
     """
     model_dir = Path(model_dir)
+    adapter_dir = model_dir / ADAPTER_SUBDIR
+    if not adapter_dir.is_dir():
+        return model_problems(model_dir)
+    if not (model_dir / CONFIG_FILE).exists() and not list(model_dir.glob("*.safetensors")):
+        return adapter_problems(adapter_dir)
+    return model_problems(model_dir) + adapter_problems(adapter_dir)
+
+
+def adapter_problems(adapter_dir: Path) -> list[str]:
+    """What keeps a PEFT LoRA adapter folder from loading: its config, and its weights file."""
+    problems = []
+    config_path = adapter_dir / ADAPTER_CONFIG_FILE
+    try:
+        LoraConfig.from_pretrained(str(adapter_dir))
+    except (OSError, ValueError, TypeError) as e:
+        problems.append(f"adapter config: {config_path} is not a PEFT LoRA config ({e})")
+    try:
+        held = read_safetensors_header(adapter_dir / ADAPTER_WEIGHTS_FILE)
+    except CheckpointError as e:
+        return [*problems, str(e)]
+    if not lora_tensor_names(held):
+        problems.append(f"{adapter_dir / ADAPTER_WEIGHTS_FILE} holds no LoRA tensors")
+    return problems
+
+
+def model_problems(model_dir: Path) -> list[str]:
+    """What is missing or inconsistent in a model folder's config, index and weight files."""
     problems = []
     try:
         json.loads((model_dir / CONFIG_FILE).read_text())
@@ -207,7 +239,4 @@ def completeness_problems(model_dir: Path) -> list[str]:
 
 
 def _nbytes(info: TensorInfo) -> int:
-    count = 1
-    for size in info.shape:
-        count *= size
-    return count * info.dtype.itemsize
+    return math.prod(info.shape) * info.dtype.itemsize

@@ -3,15 +3,18 @@
 Pure functions over names, shapes and sizes: no I/O and no tensor data.
 """
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 from huggingface_hub import split_state_dict_into_shards_factory
+from peft import LoraConfig
 
 from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, parse_dtype_name
 from mergeflow.errors import OptionError, PlanError, quoted
-from mergeflow.fsdp import ShardIndex
+from mergeflow.fsdp import ShardIndex, SourceTensor
 from mergeflow.hf_config import ModelSpec
+from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
 
 MAX_SHARD_SIZE = "5GB"
 DEFAULT_DTYPE = "bf16"
@@ -28,13 +31,12 @@ class OutputTensor:
     source: str
     shape: tuple[int, ...]
     dtype: str
+    fold: LoraFold | None = None
+    """A LoRA to fold into this weight as it is written."""
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * parse_dtype_name(self.dtype).itemsize
+        return math.prod(self.shape) * parse_dtype_name(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -66,26 +68,36 @@ def plan_merge(
     *,
     dtype: str = DEFAULT_DTYPE,
     max_shard_size: int | str = MAX_SHARD_SIZE,
+    lora: LoraPlan | None = None,
 ) -> MergePlan:
     """Decide which tensors the merged model holds, in which dtype, and in which file.
+
+    With `lora`, the base model's tensors are the ones it names (adapter wrappers removed), and
+    its folds go with their weights.
 
     Raises:
         OptionError: an unknown dtype or an unreadable max shard size.
         PlanError: the checkpoint lacks tensors the config needs, or their shapes disagree with it.
     """
-    if dtype not in DTYPE_CHOICES:
-        raise OptionError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPE_CHOICES)}")
-    dropped = {name: spec.tied[name] for name in index.tensors if name in spec.tied}
-    kept = [source for name, source in index.tensors.items() if name not in dropped]
+    _check_dtype(dtype)
+    sources = (
+        {name: index.tensors[source] for name, source in lora.base_sources.items()}
+        if lora is not None
+        else index.tensors
+    )
+    dropped = {name: spec.tied[name] for name in sources if name in spec.tied}
+    kept = {name: source for name, source in sources.items() if name not in dropped}
     _check_against_config(kept, spec, index.checkpoint_dir)
+    folds = lora.folds if lora is not None else {}
     tensors = {
-        source.name: OutputTensor(
-            name=source.name,
+        name: OutputTensor(
+            name=name,
             source=source.name,
             shape=source.shape,
             dtype=dtype_name(output_dtype(parse_dtype_name(source.dtype), dtype)),
+            fold=folds.get(name),
         )
-        for source in kept
+        for name, source in kept.items()
     }
     split = _split_into_files(tensors, max_shard_size)
     return MergePlan(
@@ -94,23 +106,58 @@ def plan_merge(
         total_size=int(split.metadata["total_size"]),
         config_dtype=_config_dtype(tensors.values()) if dtype == KEEP else dtype_name(DTYPE_CHOICES[dtype]),
         dropped_aliases=dropped,
-        unexpected=tuple(source.name for source in kept if source.name not in spec.expected_shapes),
+        unexpected=tuple(name for name in kept if name not in spec.expected_shapes),
     )
 
 
-def _check_against_config(kept, spec: ModelSpec, checkpoint_dir: str) -> None:
-    present = {source.name for source in kept}
+@dataclass(frozen=True)
+class AdapterPlan:
+    """The LoRA adapter folder: its weights file, planned like a model's, and its PEFT config."""
+
+    weights: MergePlan
+    config: LoraConfig
+
+
+def plan_adapter(index: ShardIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTYPE) -> AdapterPlan:
+    """The adapter as PEFT saves it: PEFT's key names, one safetensors file, floating tensors in `dtype`."""
+    _check_dtype(dtype)
+    tensors = {
+        key: OutputTensor(
+            name=key,
+            source=source,
+            shape=index.tensors[source].shape,
+            dtype=dtype_name(output_dtype(parse_dtype_name(index.tensors[source].dtype), dtype)),
+        )
+        for key, source in sorted(lora.adapter_tensors.items())
+    }
+    weights = MergePlan(
+        tensors=tensors,
+        shard_to_names={ADAPTER_WEIGHTS_FILE: tuple(tensors)},
+        total_size=sum(tensor.nbytes for tensor in tensors.values()),
+        config_dtype=_config_dtype(tensors.values()) if dtype == KEEP else dtype_name(DTYPE_CHOICES[dtype]),
+        dropped_aliases={},
+        unexpected=(),
+    )
+    return AdapterPlan(weights=weights, config=lora.config)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPE_CHOICES:
+        raise OptionError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPE_CHOICES)}")
+
+
+def _check_against_config(kept: dict[str, SourceTensor], spec: ModelSpec, checkpoint_dir: str) -> None:
     config_path = f"{spec.config_dir}/config.json"
-    missing = [name for name in spec.expected_shapes if name not in present]
+    missing = [name for name in spec.expected_shapes if name not in kept]
     if missing:
         raise PlanError(
             f"checkpoint {checkpoint_dir} lacks tensor(s) that {spec.model_class} from {config_path} needs: "
             f"{_listed(missing)}"
         )
     mismatches = [
-        f"{source.name}: got {source.shape}, expected {spec.expected_shapes[source.name]}"
-        for source in kept
-        if source.name in spec.expected_shapes and source.shape != spec.expected_shapes[source.name]
+        f"{name}: got {source.shape}, expected {spec.expected_shapes[name]}"
+        for name, source in kept.items()
+        if name in spec.expected_shapes and source.shape != spec.expected_shapes[name]
     ]
     if mismatches:
         raise PlanError(

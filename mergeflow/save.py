@@ -1,6 +1,7 @@
 """Execute a merge plan: stream every tensor into safetensors files and write the model folder atomically."""
 
 import contextlib
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -11,11 +12,13 @@ from tqdm.auto import tqdm
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec, copy_side_files, write_config, write_generation_config
+from mergeflow.lora import ADAPTER_SUBDIR
+from mergeflow.materialize import output_chunks
 from mergeflow.output import staged_output
-from mergeflow.planning import INDEX_FILE, MergePlan, OutputTensor
+from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
 from mergeflow.rank_reader import RankReader
 from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry
-from mergeflow.streaming import CHUNK_BYTES, prefetched, tensor_chunks
+from mergeflow.streaming import CHUNK_BYTES, prefetched
 
 
 @dataclass(frozen=True)
@@ -30,44 +33,69 @@ class SavedModel:
 
     target_dir: str
     files: tuple[OutputFile, ...]
+    """Every file written, by its path relative to `target_dir`."""
     weight_files: tuple[str, ...]
     total_size: int
     num_tensors: int
     dtype: str
     seconds: float
+    adapter_dir: str | None = None
 
 
 def save_model(
-    plan: MergePlan,
+    plan: MergePlan | None,
     index: ShardIndex,
     spec: ModelSpec,
     target_dir: Path,
     *,
+    adapter: AdapterPlan | None = None,
     overwrite: bool = False,
     progress: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> SavedModel:
-    """Write the merged model to `target_dir`: weights, index, config, generation config and side files.
+    """Write the merged model to `target_dir`: weights, index, config, generation config and side files,
+    and the LoRA adapter in `lora_adapter/` when given. With no `plan` (a LoRA-only checkpoint) only
+    the adapter is written.
 
     `chunk_bytes` bounds each assembled block of rows, and so the merge's memory.
     """
     started = time.monotonic()
-    with staged_output(Path(target_dir), overwrite=overwrite) as staging:
-        write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
-        write_weight_index(plan, staging)
-        write_config(spec, staging, plan.config_dtype)
-        write_generation_config(spec, staging)
-        copy_side_files(Path(spec.config_dir), staging)
-        files = tuple(OutputFile(p.name, p.stat().st_size) for p in sorted(staging.iterdir()) if p.is_file())
+    target_dir = Path(target_dir).absolute()
+    with staged_output(target_dir, overwrite=overwrite) as staging:
+        if plan is not None:
+            write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
+            write_weight_index(plan, staging)
+            write_config(spec, staging, plan.config_dtype)
+            write_generation_config(spec, staging)
+            copy_side_files(Path(spec.config_dir), staging)
+        if adapter is not None:
+            base = str(target_dir) if plan is not None else None
+            write_adapter(adapter, index, staging / ADAPTER_SUBDIR, base_model=base, progress=progress)
+        files = tuple(
+            OutputFile(str(p.relative_to(staging)), p.stat().st_size) for p in sorted(staging.rglob("*")) if p.is_file()
+        )
+    weights = plan if plan is not None else adapter.weights
     return SavedModel(
-        target_dir=str(Path(target_dir).absolute()),
+        target_dir=str(target_dir),
         files=files,
-        weight_files=tuple(plan.shard_to_names),
-        total_size=plan.total_size,
-        num_tensors=len(plan.tensors),
-        dtype=plan.config_dtype,
+        weight_files=tuple(plan.shard_to_names) if plan is not None else (),
+        total_size=weights.total_size,
+        num_tensors=len(weights.tensors),
+        dtype=weights.config_dtype,
         seconds=time.monotonic() - started,
+        adapter_dir=str(target_dir / ADAPTER_SUBDIR) if adapter is not None else None,
     )
+
+
+def write_adapter(
+    adapter: AdapterPlan, index: ShardIndex, adapter_dir: Path, *, base_model: str | None, progress: bool = True
+) -> None:
+    """The adapter folder as PEFT's save_pretrained writes it: adapter_config.json and adapter_model.safetensors."""
+    adapter_dir.mkdir()
+    write_weights(adapter.weights, index, adapter_dir, progress=progress)
+    config = copy.deepcopy(adapter.config)
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(adapter_dir))
 
 
 def write_weights(
@@ -106,9 +134,7 @@ def _chunks_in_write_order(
 ):
     for filename, tensors in files.items():
         for tensor in tensors:
-            source = index.tensors[tensor.source]
-            copy_rows = reader.copy_rows_of(source.name)
-            for chunk in tensor_chunks(source, parse_dtype_name(tensor.dtype), copy_rows, chunk_bytes):
+            for chunk in output_chunks(tensor, index, reader, chunk_bytes):
                 yield filename, tensor.name, chunk
 
 

@@ -4,10 +4,9 @@ from collections import Counter
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.fsdp import find_rank_files, index_shards
+from mergeflow.fsdp import ShardIndex, find_rank_files, index_shards
 from mergeflow.hf_config import ModelSpec, default_config_dir, load_model_spec
-
-LORA_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, read_train_meta
 
 
 def describe_checkpoint(
@@ -23,7 +22,8 @@ def describe_checkpoint(
     tied = dict(spec.tied) if spec else dict(index.aliases)
     counted = [t for name, t in index.tensors.items() if name not in tied and name not in index.aliases]
     names = list(index.tensors)
-    return {
+    lora_names = lora_tensor_names(names)
+    description = {
         "checkpoint_dir": str(Path(local_dir).absolute()),
         "backend": "fsdp",
         "fsdp_version": index.fsdp_version,
@@ -36,8 +36,23 @@ def describe_checkpoint(
         "num_parameters": sum(t.numel for t in counted),
         "architecture": spec.architecture if spec else None,
         "tied": tied,
-        "lora": any(marker in name for name in names for marker in LORA_MARKERS),
-        "value_model": spec.is_value_model if spec else any(name.startswith("score.") for name in names),
+        "lora": bool(lora_names),
+        "value_model": spec.is_value_model
+        if spec
+        else any(name.removeprefix(PEFT_PREFIX).startswith("score.") for name in names),
+    }
+    if lora_names:
+        description.update(_lora_description(index, lora_names))
+    return description
+
+
+def _lora_description(index: ShardIndex, lora_names: list[str]) -> dict:
+    ranks = Counter(index.tensors[name].shape[0] for name in lora_names if ".lora_A." in name or ".lora_embedding_A." in name)
+    meta = read_train_meta(Path(index.checkpoint_dir)) or {}
+    return {
+        "lora_ranks": {str(rank): count for rank, count in sorted(ranks.items())},
+        "lora_alpha": meta.get("lora_alpha") or None,
+        "lora_only": len(lora_names) == len(index.tensors),
     }
 
 

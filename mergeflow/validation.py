@@ -17,7 +17,7 @@ import transformers
 
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
-from mergeflow.hf_config import load_model_spec
+from mergeflow.hf_config import CONFIG_FILE, load_model_spec
 from mergeflow.model_folder import SafetensorsFolder, TensorInfo, completeness_problems, open_model_folder
 from mergeflow.streaming import CHUNK_BYTES, row_ranges
 
@@ -87,6 +87,8 @@ def validate_model_dir(
 ) -> ValidationReport:
     """Check a merged folder's completeness and, given a reference, its tensors (and optionally logits)."""
     problems = completeness_problems(model_dir)
+    if reference_dir is not None and not (Path(model_dir) / CONFIG_FILE).exists():
+        problems.append(f"{model_dir} holds no model to compare with {reference_dir} (a LoRA adapter only?)")
     if problems or reference_dir is None:
         return ValidationReport(
             str(model_dir), str(reference_dir) if reference_dir else None, tuple(problems)

@@ -3,16 +3,28 @@ from prefect.cache_policies import NO_CACHE
 
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec
+from mergeflow.lora import LoraPlan
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan, plan_merge
 
 
 @task(name="merge", cache_policy=NO_CACHE)
 def merge(
-    index: ShardIndex, spec: ModelSpec, *, dtype: str = DEFAULT_DTYPE, max_shard_size: str = MAX_SHARD_SIZE
-) -> MergePlan:
-    """Resolve every tensor's shards against the config: names, shapes, dtype, ties, and output files."""
-    plan = plan_merge(index, spec, dtype=dtype, max_shard_size=max_shard_size)
+    index: ShardIndex,
+    spec: ModelSpec,
+    *,
+    dtype: str = DEFAULT_DTYPE,
+    max_shard_size: str = MAX_SHARD_SIZE,
+    lora: LoraPlan | None = None,
+) -> MergePlan | None:
+    """Resolve every tensor's shards against the config: names, shapes, dtype, ties, and output files.
+
+    None for a LoRA-only checkpoint, which has no base model to merge.
+    """
     logger = get_run_logger()
+    if lora is not None and lora.lora_only:
+        logger.info("LoRA-only checkpoint: no base model to merge")
+        return None
+    plan = plan_merge(index, spec, dtype=dtype, max_shard_size=max_shard_size, lora=lora)
     logger.info(
         "%d tensors, %d bytes in %d file(s), dtype %s",
         len(plan.tensors),

@@ -1,4 +1,5 @@
 import hashlib
+import math
 import re
 from pathlib import Path
 
@@ -7,6 +8,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.fsdp import ShardIndex
+from mergeflow.lora import LoraPlan
 from mergeflow.planning import MergePlan
 from mergeflow.save import SavedModel
 from mergeflow.validation import ValidationReport
@@ -27,12 +29,18 @@ def artifact_key(kind: str, checkpoint_dir: str) -> str:
 
 @task(name="publish-report", cache_policy=NO_CACHE)
 def publish_report(
-    index: ShardIndex, plan: MergePlan, report: ValidationReport, *, saved: SavedModel | None, seconds: float
+    index: ShardIndex,
+    plan: MergePlan,
+    report: ValidationReport,
+    *,
+    saved: SavedModel | None,
+    seconds: float,
+    lora: LoraPlan | None = None,
 ) -> None:
     """A markdown summary and a table of the largest per-tensor differences, as Prefect artifacts."""
     create_markdown_artifact(
         key=artifact_key("merge-summary", index.checkpoint_dir),
-        markdown=summary_markdown(index, plan, report, saved=saved, seconds=seconds),
+        markdown=summary_markdown(index, plan, report, saved=saved, seconds=seconds, lora=lora),
         description=f"mergeflow: {index.checkpoint_dir}",
     )
     create_table_artifact(
@@ -52,9 +60,15 @@ def publish_report(
 
 
 def summary_markdown(
-    index: ShardIndex, plan: MergePlan, report: ValidationReport, *, saved: SavedModel | None, seconds: float
+    index: ShardIndex,
+    plan: MergePlan,
+    report: ValidationReport,
+    *,
+    saved: SavedModel | None,
+    seconds: float,
+    lora: LoraPlan | None = None,
 ) -> str:
-    parameters = sum(_numel(tensor.shape) for tensor in plan.tensors.values())
+    parameters = sum(math.prod(tensor.shape) for tensor in plan.tensors.values())
     verdict = "passed" if report.passed else "**failed**"
     lines = [
         f"# Merge of `{index.checkpoint_dir}`",
@@ -72,6 +86,8 @@ def summary_markdown(
         f"| reference | `{report.reference_dir}` |" if report.reference_dir else "| reference | none |",
         f"| validation | {verdict} |",
     ]
+    if lora is not None:
+        lines.append(f"| LoRA | {lora_summary(lora)} |")
     if report.logits is not None:
         lines.append(f"| logits | {report.logits.message} |")
     if saved:
@@ -82,8 +98,15 @@ def summary_markdown(
     return "\n".join(lines) + "\n"
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+def lora_summary(lora: LoraPlan) -> str:
+    config = lora.config
+    kind = "DoRA" if config.use_dora else "LoRA"
+    where = (
+        f"folded into {len(lora.folds)} weight(s)"
+        if lora.merge
+        else "adapter in lora_adapter/" + (" (LoRA-only checkpoint: no base model)" if lora.lora_only else "")
+    )
+    return (
+        f"{kind} r={config.r}, alpha={config.lora_alpha} (from {lora.alpha_source}), "
+        f"targets {', '.join(sorted(config.target_modules))}; {where}"
+    )

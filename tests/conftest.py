@@ -42,11 +42,42 @@ FIXTURE_SPECS = [
 ]
 FIXTURE_NAMES = [spec.name for spec in FIXTURE_SPECS]
 
+LORA = {"r": 4, "lora_alpha": 16, "task_type": "CAUSAL_LM"}
+LORA_FIXTURE_SPECS = [
+    FixtureSpec(  # ranks differ per module; an embedding is adapted
+        "lora-ws2",
+        tie=False,
+        lora={**LORA, "target_modules": ["q_proj", "v_proj", "down_proj", "embed_tokens"], "rank_pattern": {"v_proj": 2}},
+    ),
+    FixtureSpec(
+        "lora-no-meta-fsdp1-ws2",
+        fsdp_version=1,
+        tie=False,
+        lora={**LORA, "target_modules": ["q_proj", "k_proj"]},
+        lora_meta=False,
+    ),
+    FixtureSpec(
+        "dora-llama-ws3",
+        model="llama",
+        world_size=3,
+        lora={**LORA, "target_modules": ["q_proj", "o_proj", "gate_proj"], "use_dora": True},
+    ),
+    FixtureSpec("lora-only-ws2", lora={**LORA, "target_modules": ["q_proj", "up_proj"]}, lora_only=True),
+    FixtureSpec(
+        "lora-value-ws2",
+        model="qwen2-value",
+        tie=False,
+        role="critic",
+        lora={**LORA, "target_modules": ["q_proj", "v_proj"], "task_type": "TOKEN_CLS"},
+    ),
+]
+LORA_FIXTURE_NAMES = [spec.name for spec in LORA_FIXTURE_SPECS]
+
 
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every fixture checkpoint, written once per session by real torch FSDP on gloo."""
-    return write_fixtures(FIXTURE_SPECS, tmp_path_factory.mktemp("fixtures"))
+    return write_fixtures(FIXTURE_SPECS + LORA_FIXTURE_SPECS, tmp_path_factory.mktemp("fixtures"))
 
 
 @pytest.fixture

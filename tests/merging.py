@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from mergeflow.fsdp import find_rank_files, index_shards
 from mergeflow.hf_config import default_config_dir, load_model_spec
-from mergeflow.planning import plan_merge
+from mergeflow.lora import plan_lora
+from mergeflow.planning import plan_adapter, plan_merge
 from mergeflow.save import SavedModel, save_model
 from mergeflow.streaming import CHUNK_BYTES
 
@@ -20,11 +21,23 @@ def merge_with_engine(checkpoint_dir: Path, target_dir: Path, **options) -> Save
     max_shard_size = options.pop("max_shard_size", "5GB")
     overwrite = options.pop("overwrite", False)
     chunk_bytes = options.pop("chunk_bytes", CHUNK_BYTES)
+    merge_lora = options.pop("merge_lora", False)
+    lora_alpha = options.pop("lora_alpha", None)
     spec = load_model_spec(default_config_dir(checkpoint_dir))
     index = index_shards(find_rank_files(checkpoint_dir))
-    plan = plan_merge(index, spec, max_shard_size=max_shard_size, **options)
+    lora = plan_lora(index, spec, merge=merge_lora, lora_alpha=lora_alpha)
+    adapter = plan_adapter(index, lora, **options) if lora is not None and not lora.merge else None
+    lora_only = lora is not None and lora.lora_only
+    plan = None if lora_only else plan_merge(index, spec, max_shard_size=max_shard_size, lora=lora, **options)
     return save_model(
-        plan, index, spec, target_dir, overwrite=overwrite, progress=False, chunk_bytes=chunk_bytes
+        plan,
+        index,
+        spec,
+        target_dir,
+        adapter=adapter,
+        overwrite=overwrite,
+        progress=False,
+        chunk_bytes=chunk_bytes,
     )
 
 

@@ -134,6 +134,44 @@ def test_inspect_flags_a_value_model(fixtures, capsys):
     assert json.loads(capsys.readouterr().out)["value_model"] is True
 
 
+def test_inspect_reports_lora_ranks_and_alpha(fixtures, capsys):
+    main(["inspect", str(fixtures["lora-ws2"].checkpoint_dir), "--json"])
+    report = json.loads(capsys.readouterr().out)
+
+    assert report["lora"] is True
+    assert report["lora_ranks"] == {"2": 2, "4": 5}  # v_proj ×2 at rank 2; q_proj, down_proj ×2 and embed_tokens at 4
+    assert report["lora_alpha"] == 16
+    assert report["lora_only"] is False
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_merge_command_folds_lora_with_merge_lora(fixtures, target_dir):
+    code = main(
+        [
+            "merge",
+            "--local_dir",
+            str(fixtures["lora-ws2"].checkpoint_dir),
+            "--target_dir",
+            str(target_dir),
+            "--merge-lora",
+            "--no-progress",
+        ]
+    )
+
+    assert code == 0
+    assert not (target_dir / "lora_adapter").exists()
+    assert not [key for key in load_weights(target_dir) if "lora_" in key]
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_merge_command_without_lora_alpha_exits_2_and_names_the_flag(fixtures, target_dir, capsys):
+    code = main(["merge", "--local_dir", str(fixtures["lora-no-meta-fsdp1-ws2"].checkpoint_dir), "--target_dir", str(target_dir)])
+
+    assert code == 2
+    assert "--lora-alpha" in capsys.readouterr().err
+    assert not target_dir.exists()
+
+
 def test_inspect_of_a_bad_directory_exits_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "not an FSDP checkpoint" in capsys.readouterr().err

@@ -10,7 +10,16 @@ from flows.merge import merge_checkpoint
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
-PIPELINE_STEPS = ["detect-world-size", "load-config", "load-shards", "merge", "save", "validate", "publish-report"]
+PIPELINE_STEPS = [
+    "detect-world-size",
+    "load-config",
+    "load-shards",
+    "extract-lora",
+    "merge",
+    "save",
+    "validate",
+    "publish-report",
+]
 
 
 API_WAIT_SECONDS = 30

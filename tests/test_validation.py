@@ -3,11 +3,12 @@
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from safetensors.torch import load_file, save_file
 
 from cli import EXIT_VALIDATION_FAILED, main
@@ -15,6 +16,7 @@ from flows.merge import merge_checkpoint
 from mergeflow.validation import validate_model_dir
 from tasks.publish_report import artifact_key
 from tests.merging import merge_with_engine
+from tests.test_flow import API_WAIT_SECONDS
 
 CHECKPOINT = "llama-untied-ws3"
 
@@ -274,24 +276,39 @@ class TestCommands:
 
     def test_merge_publishes_summary_and_difference_artifacts(self, fixtures, target_dir):
         checkpoint = str(fixtures[CHECKPOINT].checkpoint_dir)
-        merge_checkpoint(
+        state = merge_checkpoint(
             local_dir=checkpoint,
             target_dir=str(target_dir),
             dtype="keep",
             test_hf_dir=str(fixtures[CHECKPOINT].reference_dir),
             progress=False,
+            return_state=True,
         )
 
         keys = [artifact_key("merge-summary", checkpoint), artifact_key("merge-differences", checkpoint)]
-        with get_client(sync_client=True) as client:
-            artifacts = client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys))
-            )
+        by_key = artifacts_by_key(keys, flow_run_id=state.state_details.flow_run_id)
 
-        by_key = {artifact.key: artifact for artifact in artifacts}
         assert set(by_key) == set(keys)
         assert "| validation | passed |" in by_key[keys[0]].data
         assert "| world size | 3 |" in by_key[keys[0]].data
+
+
+def artifacts_by_key(keys: list[str], *, flow_run_id) -> dict:
+    """One flow run's artifacts with these keys, once the API has them all (within a bound: writes may lag).
+
+    Other runs on the same checkpoint publish under the same keys: that is what makes them comparable.
+    """
+    deadline = time.monotonic() + API_WAIT_SECONDS
+    artifact_filter = ArtifactFilter(
+        key=ArtifactFilterKey(any_=keys), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+    )
+    while True:
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts(artifact_filter=artifact_filter)
+        by_key = {artifact.key: artifact for artifact in artifacts}
+        if set(by_key) == set(keys) or time.monotonic() > deadline:
+            return by_key
+        time.sleep(0.5)
 
 
 def test_artifact_keys_are_stable_per_checkpoint_and_valid():
