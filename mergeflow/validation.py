@@ -18,6 +18,7 @@ import transformers
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
 from mergeflow.hf_config import CONFIG_FILE, load_model_spec
+from mergeflow.lora import ADAPTER_SUBDIR
 from mergeflow.model_folder import SafetensorsFolder, TensorInfo, completeness_problems, open_model_folder
 from mergeflow.streaming import CHUNK_BYTES, row_ranges
 
@@ -87,8 +88,9 @@ def validate_model_dir(
 ) -> ValidationReport:
     """Check a merged folder's completeness and, given a reference, its tensors (and optionally logits)."""
     problems = completeness_problems(model_dir)
-    if reference_dir is not None and not (Path(model_dir) / CONFIG_FILE).exists():
-        problems.append(f"{model_dir} holds no model to compare with {reference_dir} (a LoRA adapter only?)")
+    adapter_only = (Path(model_dir) / ADAPTER_SUBDIR).is_dir() and not (Path(model_dir) / CONFIG_FILE).exists()
+    if reference_dir is not None and adapter_only:
+        problems.append(f"{model_dir} holds a LoRA adapter only: no base model to compare with {reference_dir}")
     if problems or reference_dir is None:
         return ValidationReport(
             str(model_dir), str(reference_dir) if reference_dir else None, tuple(problems)
