@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mergeflow.errors import MergeflowError, ValidationError
+from mergeflow.errors import MergeflowError, UploadError, ValidationError
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
 
 PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migrates its database slowly
@@ -18,6 +18,7 @@ PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migr
 }
 EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_UPLOAD_FAILED = 3
 DTYPES = ("bf16", "fp16", "fp32", "keep")
 
 
@@ -108,6 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="also compare the merged model with this reference model",
     )
     merge.add_argument(
+        "--hf_upload_path",
+        "--hf-upload-path",
+        dest="hf_upload_path",
+        default=None,
+        help="upload the validated model to this Hub repo (user/name); HF_ENDPOINT selects a mirror",
+    )
+    merge.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    merge.add_argument(
+        "--revision", default=None, help="Hub branch to upload to (default: step-N, from global_step_N)"
+    )
+    merge.add_argument(
+        "--hf-token-secret",
+        "--hf_token_secret",
+        dest="hf_token_secret",
+        default=None,
+        help="name of a Prefect Secret block holding the Hub token (default: HF_TOKEN or the hf login)",
+    )
+    merge.add_argument(
+        "--base-model", "--base_model", dest="base_model", default=None, help="base model id for the model card"
+    )
+    merge.add_argument(
         "--check-logits",
         "--check_logits",
         dest="check_logits",
@@ -163,6 +185,11 @@ def run_merge(args: argparse.Namespace) -> int:
         check_logits=args.check_logits,
         merge_lora=args.merge_lora,
         lora_alpha=args.lora_alpha,
+        hf_upload_path=args.hf_upload_path,
+        private=args.private,
+        revision=args.revision,
+        hf_token_secret=args.hf_token_secret,
+        base_model=args.base_model,
         progress=args.progress,
     )
     print(f"merged {args.local_dir} -> {saved.target_dir} ({saved.num_tensors} tensors, {saved.dtype})")
@@ -268,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except MergeflowError as e:
         print(f"mergeflow: error: {type(e).__name__}: {e}", file=sys.stderr)
+        if isinstance(e, UploadError):
+            print(f"mergeflow: the merged model is kept at {args.target_dir}", file=sys.stderr)
+            return EXIT_UPLOAD_FAILED
         return EXIT_VALIDATION_FAILED if isinstance(e, ValidationError) else EXIT_BAD_INPUT
 
 

@@ -9,6 +9,7 @@ Peak RSS is this process's `ru_maxrss`; bytes read and written are the storage-l
 import json
 import resource
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -60,17 +61,48 @@ def io_counters() -> dict[str, int]:
     return counters
 
 
+RSS_FIELDS = ("RssAnon", "RssFile", "RssShmem")
+RSS_SAMPLE_SECONDS = 0.05
+
+
+class RssSampler:
+    """Peaks of the resident-set components (anonymous, file-backed, shared), sampled on a thread."""
+
+    def __init__(self):
+        self.peaks = dict.fromkeys(RSS_FIELDS, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for line in Path("/proc/self/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in self.peaks:
+                    self.peaks[key] = max(self.peaks[key], int(value.split()[0]) * 1024)
+            time.sleep(RSS_SAMPLE_SECONDS)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> None:
     tool, checkpoint_dir, target_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     before = io_counters()
     started = time.perf_counter()
-    TOOLS[tool](checkpoint_dir, target_dir)
+    with RssSampler() as rss:
+        TOOLS[tool](checkpoint_dir, target_dir)
     wall = time.perf_counter() - started
     after = io_counters()
     print(json.dumps({
         "tool": tool,
         "wall_seconds": wall,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **{f"peak_{key}_bytes": value for key, value in rss.peaks.items()},
         **{key: after[key] - before[key] for key in ("read_bytes", "write_bytes", "rchar", "wchar")},
     }))
 

@@ -1,11 +1,15 @@
-"""The merge pipeline: world size, config, shards, merge, save, validate, report."""
+"""The merge pipeline: world size, config, shards, LoRA, merge, save, validate, report, model card, upload."""
 
 import time
 from pathlib import Path
 
 from prefect import flow
+from prefect.tasks import exponential_backoff
 
 from mergeflow.errors import OptionError, ValidationError
+from mergeflow.hub import check_repo_id, default_revision, training_step
+from mergeflow.lora import describe_lora
+from mergeflow.model_card import MergeFacts
 from mergeflow.output import check_target
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
 from mergeflow.save import SavedModel
@@ -16,7 +20,9 @@ from tasks.load_shards import load_shards
 from tasks.merge import merge
 from tasks.publish_report import publish_report
 from tasks.save import save
+from tasks.upload import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS, upload
 from tasks.validate import validate
+from tasks.write_model_card import write_card
 
 BACKENDS = ("fsdp",)
 
@@ -42,16 +48,27 @@ def merge_checkpoint(
     check_logits: bool = False,
     merge_lora: bool = False,
     lora_alpha: float | None = None,
+    hf_upload_path: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    hf_token_secret: str | None = None,
+    base_model: str | None = None,
+    upload_retries: int = UPLOAD_RETRIES,
+    upload_retry_delay_seconds: float = UPLOAD_RETRY_DELAY_SECONDS,
     progress: bool = True,
 ) -> SavedModel:
     """Merge a verl checkpoint directory (`global_step_N/actor`) into a validated Hugging Face model folder.
 
     A LoRA checkpoint gives the base model plus `lora_adapter/`, or with `merge_lora` the base model
-    with the LoRA folded in.
+    with the LoRA folded in. With `hf_upload_path` the validated model is uploaded to the Hub, on
+    `revision` (default: a branch per training step, `step-N`); the token comes from HF_TOKEN, the
+    huggingface_hub login, or the Prefect Secret block named by `hf_token_secret`.
     """
     started = time.monotonic()
     check_backend(backend)
     check_target(Path(target_dir), overwrite=overwrite)
+    if hf_upload_path:
+        check_repo_id(hf_upload_path)
 
     rank_files = detect_world_size(local_dir)
     spec = load_config(
@@ -66,10 +83,40 @@ def merge_checkpoint(
     plan = merge(index, spec, dtype=dtype, max_shard_size=max_shard_size, lora=lora)
     saved = save(plan, index, spec, target_dir, adapter=adapter, overwrite=overwrite, progress=progress)
     report = validate(saved.target_dir, test_hf_dir, check_logits=check_logits)
-    publish_report(
-        index, plan or adapter.weights, report, saved=saved, lora=lora, seconds=time.monotonic() - started
-    )
-
+    seconds = time.monotonic() - started
+    publish_report(index, plan or adapter.weights, report, saved=saved, lora=lora, seconds=seconds)
     if not report.passed:
         raise ValidationError(report.failure_message())
+
+    facts = MergeFacts(
+        source=index.checkpoint_dir,
+        step=training_step(index.checkpoint_dir),
+        backend=backend,
+        world_size=index.world_size,
+        dtype=saved.dtype,
+        merge_seconds=seconds,
+        validation=report.verdict(),
+        lora=describe_lora(lora) if lora else None,
+        base_model=base_model,
+    )
+    write_card(saved.target_dir, facts)
+    if hf_upload_path:
+        upload_revision = revision or default_revision(index.checkpoint_dir)
+        upload.with_options(
+            retries=upload_retries,
+            retry_delay_seconds=exponential_backoff(backoff_factor=upload_retry_delay_seconds),
+        )(
+            saved.target_dir,
+            hf_upload_path,
+            revision=upload_revision,
+            checkpoint_dir=index.checkpoint_dir,
+            commit_message=commit_message(index.checkpoint_dir, facts.step),
+            private=private,
+            token_secret=hf_token_secret,
+        )
     return saved
+
+
+def commit_message(checkpoint_dir: str, step: int | None) -> str:
+    source = "/".join(Path(checkpoint_dir).parts[-3:])
+    return f"Upload {source} merged by mergeflow" + (f" (training step {step})" if step is not None else "")

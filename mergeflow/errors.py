@@ -28,3 +28,13 @@ class OptionError(MergeflowError):
 
 class ValidationError(MergeflowError):
     """A merged model is incomplete, or differs from its reference."""
+
+
+class UploadError(MergeflowError):
+    """The Hub refused or failed an upload; `transient` failures may succeed when retried."""
+
+    def __init__(self, message: str, *, transient: bool = False, retry_after: float | None = None):
+        super().__init__(message)
+        self.transient = transient
+        self.retry_after = retry_after
+        """Seconds the Hub asked to wait (HTTP 429 Retry-After), if it said."""

@@ -7,6 +7,7 @@ and `.modules_to_save.<adapter>.` / `.original_module.` for fully trained module
 inferred from those names and shapes, then checked by building the PEFT model on the meta device:
 it must hold exactly the checkpoint's tensors. Scalings, module kinds and adapter-file names are
 read off that PEFT model, so they follow PEFT's own rules (rank and alpha patterns, rsLoRA, DoRA).
+peft is imported only for checkpoints that hold LoRA tensors (it costs a second and a half).
 """
 
 import copy
@@ -15,14 +16,16 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from peft.tuners import lora
 
 from mergeflow.errors import CheckpointError, OptionError, PlanError, quoted
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec, build_meta_model
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 PEFT_PREFIX = "base_model.model."
 LORA_META_FILE = "lora_train_meta.json"
@@ -60,7 +63,7 @@ class LoraFold:
 class LoraPlan:
     """A LoRA checkpoint resolved against its base model: names only, no tensors."""
 
-    config: LoraConfig
+    config: "LoraConfig"
     """The adapter's PEFT config, as PEFT would save it."""
     adapter_name: str
     adapter_tensors: dict[str, str]
@@ -74,6 +77,21 @@ class LoraPlan:
     alpha_source: str
     """Where lora_alpha came from, for the report."""
     notes: tuple[str, ...] = ()
+
+
+def describe_lora(lora: LoraPlan) -> str:
+    """One line for reports: kind, rank, alpha and where it came from, targets, and what was written."""
+    config = lora.config
+    kind = "DoRA" if config.use_dora else "LoRA"
+    where = (
+        f"folded into {len(lora.folds)} weight(s)"
+        if lora.merge
+        else "adapter in lora_adapter/" + (" (LoRA-only checkpoint: no base model)" if lora.lora_only else "")
+    )
+    return (
+        f"{kind} r={config.r}, alpha={config.lora_alpha} (from {lora.alpha_source}), "
+        f"targets {', '.join(sorted(config.target_modules))}; {where}"
+    )
 
 
 def lora_tensor_names(names) -> list[str]:
@@ -103,6 +121,8 @@ def plan_lora(
     ranks = {module: index.tensors[parts["lora_A"]].shape[0] for module, parts in modules.items()}
     alpha, alpha_source = resolve_alpha(checkpoint_dir, lora_alpha)
     lora_only = len(lora_names) == len(index.tensors)
+    from peft import get_peft_model
+
     base_model = build_meta_model(spec)
     config = infer_lora_config(
         base_model,
@@ -191,10 +211,12 @@ def read_train_meta(checkpoint_dir: Path) -> dict | None:
     return meta
 
 
-def _read_source_config(checkpoint_dir: Path) -> LoraConfig | None:
+def _read_source_config(checkpoint_dir: Path) -> "LoraConfig | None":
     path = Path(checkpoint_dir) / ADAPTER_SUBDIR / ADAPTER_CONFIG_FILE
     if not path.is_file():
         return None
+    from peft import LoraConfig
+
     try:
         return LoraConfig.from_pretrained(str(path.parent))
     except (OSError, ValueError, TypeError) as e:
@@ -254,14 +276,16 @@ def infer_lora_config(
     lora_bias: bool = False,
     trained_copies: list[str] = (),
     task_type: str = "CAUSAL_LM",
-    source_config: LoraConfig | None = None,
-) -> LoraConfig:
+    source_config: "LoraConfig | None" = None,
+) -> "LoraConfig":
     """The LoRA config that adapts exactly the modules in `ranks` (HF module path -> rank) of `base_model`.
 
     Target modules are leaf names (`q_proj`) where every module of that name is adapted, and full
     module paths otherwise; ranks other than the most common go to `rank_pattern`. A config saved in
     the checkpoint supplies what names and shapes cannot tell (alpha_pattern, use_rslora).
     """
+    from peft import LoraConfig
+
     rank, _ = Counter(ranks.values()).most_common(1)[0]
     settings = {}
     if source_config is not None:
@@ -314,7 +338,7 @@ def _rank_pattern(ranks: dict[str, int], rank: int) -> dict[str, int]:
     return pattern
 
 
-def _check_reproduces(peft_model: torch.nn.Module, index: ShardIndex, *, lora_only: bool, config: LoraConfig) -> None:
+def _check_reproduces(peft_model: torch.nn.Module, index: ShardIndex, *, lora_only: bool, config: "LoraConfig") -> None:
     expected = {name: tuple(tensor.shape) for name, tensor in peft_model.state_dict().items()}
     if lora_only:
         expected = {name: shape for name, shape in expected.items() if name in lora_tensor_names(expected)}
@@ -341,6 +365,8 @@ def _check_reproduces(peft_model: torch.nn.Module, index: ShardIndex, *, lora_on
 
 def _adapter_file_keys(peft_model: torch.nn.Module, adapter_name: str, present: set[str]) -> dict[str, str]:
     """PEFT's own choice of adapter-file names, mapped back to checkpoint names by tensor identity."""
+    from peft import get_peft_model_state_dict
+
     state = peft_model.state_dict()
     name_of = {id(tensor): name for name, tensor in state.items()}
     saved = get_peft_model_state_dict(
@@ -374,6 +400,8 @@ def _base_sources(names, *, merge: bool) -> dict[str, str]:
 
 
 def _folds(peft_model: torch.nn.Module, adapter_name: str, spec: ModelSpec, checkpoint_dir: Path) -> dict[str, LoraFold]:
+    from peft.tuners import lora
+
     folds = {}
     unsupported = []
     tied_targets = set(spec.tied.values())

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import LoraConfig
 from safetensors import safe_open
 
 from mergeflow.dtypes import SAFETENSORS_CODES
@@ -173,6 +172,8 @@ def completeness_problems(model_dir: Path) -> list[str]:
 
 def adapter_problems(adapter_dir: Path) -> list[str]:
     """What keeps a PEFT LoRA adapter folder from loading: its config, and its weights file."""
+    from peft import LoraConfig
+
     problems = []
     config_path = adapter_dir / ADAPTER_CONFIG_FILE
     try:

@@ -6,15 +6,18 @@ Pure functions over names, shapes and sizes: no I/O and no tensor data.
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from huggingface_hub import split_state_dict_into_shards_factory
-from peft import LoraConfig
 
 from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, parse_dtype_name
 from mergeflow.errors import OptionError, PlanError, quoted
 from mergeflow.fsdp import ShardIndex, SourceTensor
 from mergeflow.hf_config import ModelSpec
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 MAX_SHARD_SIZE = "5GB"
 DEFAULT_DTYPE = "bf16"
@@ -115,7 +118,7 @@ class AdapterPlan:
     """The LoRA adapter folder: its weights file, planned like a model's, and its PEFT config."""
 
     weights: MergePlan
-    config: LoraConfig
+    config: "LoraConfig"
 
 
 def plan_adapter(index: ShardIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTYPE) -> AdapterPlan:

@@ -69,6 +69,15 @@ class ValidationReport:
     def passed(self) -> bool:
         return not self.problems and (self.logits is None or self.logits.passed)
 
+    def verdict(self) -> str:
+        """One line: passed or failed, and what was checked."""
+        checked = "complete"
+        if self.reference_dir:
+            checked += f", {self.tensors_compared} tensors equal to {self.reference_dir}"
+        if self.logits is not None and self.logits.compared:
+            checked += ", logits match" if self.logits.passed else ", logits differ"
+        return f"{'passed' if self.passed else 'failed'} ({checked})"
+
     def failure_message(self) -> str:
         shown = list(self.problems[:5])
         if self.logits is not None and not self.logits.passed:

@@ -8,7 +8,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.fsdp import ShardIndex
-from mergeflow.lora import LoraPlan
+from mergeflow.lora import LoraPlan, describe_lora
 from mergeflow.planning import MergePlan
 from mergeflow.save import SavedModel
 from mergeflow.validation import ValidationReport
@@ -87,7 +87,7 @@ def summary_markdown(
         f"| validation | {verdict} |",
     ]
     if lora is not None:
-        lines.append(f"| LoRA | {lora_summary(lora)} |")
+        lines.append(f"| LoRA | {describe_lora(lora)} |")
     if report.logits is not None:
         lines.append(f"| logits | {report.logits.message} |")
     if saved:
@@ -96,17 +96,3 @@ def summary_markdown(
     if report.problems:
         lines += ["", "## Problems", ""] + [f"- {problem}" for problem in report.problems]
     return "\n".join(lines) + "\n"
-
-
-def lora_summary(lora: LoraPlan) -> str:
-    config = lora.config
-    kind = "DoRA" if config.use_dora else "LoRA"
-    where = (
-        f"folded into {len(lora.folds)} weight(s)"
-        if lora.merge
-        else "adapter in lora_adapter/" + (" (LoRA-only checkpoint: no base model)" if lora.lora_only else "")
-    )
-    return (
-        f"{kind} r={config.r}, alpha={config.lora_alpha} (from {lora.alpha_source}), "
-        f"targets {', '.join(sorted(config.target_modules))}; {where}"
-    )

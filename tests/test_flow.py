@@ -19,6 +19,7 @@ PIPELINE_STEPS = [
     "save",
     "validate",
     "publish-report",
+    "write-model-card",
 ]
 
 

@@ -1,0 +1,71 @@
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from mergeflow.errors import UploadError
+from mergeflow.hub import UploadResult, upload_model
+from tasks.publish_report import artifact_key
+
+UPLOAD_RETRIES = 6
+UPLOAD_RETRY_DELAY_SECONDS = 10.0
+"""First delay between attempts; each retry doubles it (10, 20, 40, ... 320 s: ten minutes in all), with jitter."""
+RETRY_JITTER_FACTOR = 0.5
+MAX_RETRY_AFTER_SECONDS = 600.0
+
+
+def retry_transient_only(task, task_run, state) -> bool:
+    """Prefect's retry condition: retry Hub outages, rate limits and network errors, nothing else."""
+    error = state.result(raise_on_failure=False)
+    return isinstance(error, UploadError) and error.transient
+
+
+@task(
+    name="upload",
+    cache_policy=NO_CACHE,
+    retries=UPLOAD_RETRIES,
+    retry_delay_seconds=exponential_backoff(backoff_factor=UPLOAD_RETRY_DELAY_SECONDS),
+    retry_jitter_factor=RETRY_JITTER_FACTOR,
+    retry_condition_fn=retry_transient_only,
+)
+def upload(
+    target_dir: str,
+    repo_id: str,
+    *,
+    revision: str,
+    checkpoint_dir: str,
+    commit_message: str,
+    private: bool = False,
+    token_secret: str | None = None,
+) -> UploadResult:
+    """Upload the merged folder to the Hub; a rate limit's Retry-After is waited out before the next attempt."""
+    token = _token_from_secret(token_secret)
+    try:
+        result = upload_model(
+            Path(target_dir), repo_id, revision=revision, private=private, token=token, commit_message=commit_message
+        )
+    except UploadError as e:
+        if e.retry_after:
+            get_run_logger().warning("the Hub asked to wait %.0f s before retrying", e.retry_after)
+            time.sleep(min(e.retry_after, MAX_RETRY_AFTER_SECONDS))
+        raise
+    get_run_logger().info("uploaded %s to %s@%s: %s", target_dir, repo_id, revision, result.commit_url)
+    create_link_artifact(
+        key=artifact_key("hub-upload", checkpoint_dir),
+        link=result.commit_url,
+        link_text=f"{repo_id}@{revision}",
+        description=f"mergeflow upload of {checkpoint_dir}",
+    )
+    return result
+
+
+def _token_from_secret(block_name: str | None) -> str | None:
+    """The token held by a Prefect Secret block; None leaves it to huggingface_hub (HF_TOKEN, then the login)."""
+    if block_name is None:
+        return None
+    from prefect.blocks.system import Secret
+
+    return Secret.load(block_name).get()
