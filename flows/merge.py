@@ -13,7 +13,7 @@ from mergeflow.model_card import MergeFacts
 from mergeflow.output import check_target
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
 from mergeflow.save import SavedModel
-from tasks.detect_world_size import detect_world_size
+from tasks.detect_world_size import default_config_dir_of, detect_world_size
 from tasks.extract_lora import extract_lora
 from tasks.load_config import load_config
 from tasks.load_shards import load_shards
@@ -24,7 +24,7 @@ from tasks.upload import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS, upload
 from tasks.validate import validate
 from tasks.write_model_card import write_card
 
-BACKENDS = ("fsdp",)
+BACKENDS = ("fsdp", "megatron")
 
 
 def check_backend(backend: str) -> None:
@@ -70,15 +70,15 @@ def merge_checkpoint(
     if hf_upload_path:
         check_repo_id(hf_upload_path)
 
-    rank_files = detect_world_size(local_dir)
+    source = detect_world_size(local_dir, backend)
     spec = load_config(
         local_dir,
-        hf_model_config_path,
+        hf_model_config_path or default_config_dir_of(source),
         trust_remote_code=trust_remote_code,
         is_value_model=is_value_model,
         tie_word_embedding=tie_word_embedding,
     )
-    index = load_shards(rank_files)
+    index = load_shards(source, spec)
     lora, adapter = extract_lora(index, spec, merge_lora=merge_lora, lora_alpha=lora_alpha, dtype=dtype)
     plan = merge(index, spec, dtype=dtype, max_shard_size=max_shard_size, lora=lora)
     saved = save(plan, index, spec, target_dir, adapter=adapter, overwrite=overwrite, progress=progress)

@@ -9,7 +9,7 @@ from flows.merge import check_backend
 from mergeflow.errors import OptionError, ValidationError
 from mergeflow.validation import ValidationReport, reference_dtype_choice
 from tasks.compare_checkpoint import compare_checkpoint
-from tasks.detect_world_size import detect_world_size
+from tasks.detect_world_size import default_config_dir_of, detect_world_size
 from tasks.extract_lora import extract_lora
 from tasks.load_config import load_config
 from tasks.load_shards import load_shards
@@ -38,11 +38,13 @@ def verify_checkpoint(
     started = time.monotonic()
     check_backend(backend)
 
-    rank_files = detect_world_size(local_dir)
+    source = detect_world_size(local_dir, backend)
     spec = load_config(
-        local_dir, hf_model_config_path, trust_remote_code=trust_remote_code, is_value_model=is_value_model
+        local_dir,
+        hf_model_config_path or default_config_dir_of(source),
+        trust_remote_code=trust_remote_code, is_value_model=is_value_model
     )
-    index = load_shards(rank_files)
+    index = load_shards(source, spec)
     dtype = dtype or reference_dtype_choice(Path(test_hf_dir))
     lora, _ = extract_lora(index, spec, merge_lora=merge_lora, lora_alpha=lora_alpha, dtype=dtype)
     plan = merge(index, spec, dtype=dtype, lora=lora)

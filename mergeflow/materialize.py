@@ -68,3 +68,27 @@ class LoraFolder:
         if self._magnitude is not None:
             weight *= (self._magnitude[start:stop] / torch.linalg.norm(weight, dim=1)).unsqueeze(1)
         return weight
+
+
+class FsdpTensors:
+    """Planned tensors of an FSDP checkpoint, read from its rank files."""
+
+    def __init__(self, index: ShardIndex):
+        self._index = index
+        self._reader = RankReader(index.rank_files)
+
+    def chunks(self, tensor: OutputTensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        return output_chunks(tensor, self._index, self._reader, chunk_bytes)
+
+    def rows(self, tensor: OutputTensor, start: int, stop: int) -> torch.Tensor:
+        return output_rows(tensor, self._index, self._reader, start, stop)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def open_tensors(index):
+    """The reader of planned tensors for the checkpoint's backend (FSDP rank files or a Megatron archive)."""
+    from mergeflow.megatron import MegatronIndex, MegatronTensors
+
+    return MegatronTensors(index) if isinstance(index, MegatronIndex) else FsdpTensors(index)

@@ -8,10 +8,9 @@ import torch
 
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.fsdp import ShardIndex
-from mergeflow.materialize import output_rows
+from mergeflow.materialize import open_tensors
 from mergeflow.model_folder import TensorInfo
 from mergeflow.planning import MergePlan
-from mergeflow.rank_reader import RankReader
 
 
 class MergedCheckpoint:
@@ -20,7 +19,7 @@ class MergedCheckpoint:
     def __init__(self, plan: MergePlan, index: ShardIndex):
         self._plan = plan
         self._index = index
-        self._reader = RankReader(index.rank_files)
+        self._reader = open_tensors(index)
 
     def names(self) -> list[str]:
         return list(self._plan.tensors)
@@ -30,7 +29,7 @@ class MergedCheckpoint:
         return TensorInfo(parse_dtype_name(tensor.dtype), tensor.shape)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return output_rows(self._plan.tensors[name], self._index, self._reader, start, stop)
+        return self._reader.rows(self._plan.tensors[name], start, stop)
 
     def close(self) -> None:
         self._reader.close()

@@ -13,10 +13,9 @@ from mergeflow.dtypes import parse_dtype_name
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec, copy_side_files, write_config, write_generation_config
 from mergeflow.lora import ADAPTER_SUBDIR
-from mergeflow.materialize import output_chunks
+from mergeflow.materialize import open_tensors
 from mergeflow.output import staged_output
 from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
-from mergeflow.rank_reader import RankReader
 from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry
 from mergeflow.streaming import CHUNK_BYTES, prefetched
 
@@ -115,7 +114,7 @@ def write_weights(
         for filename, names in plan.shard_to_names.items()
     }
     with (
-        RankReader(index.rank_files) as reader,
+        contextlib.closing(open_tensors(index)) as reader,
         tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar,
         contextlib.ExitStack() as open_file,
     ):
@@ -130,11 +129,11 @@ def write_weights(
 
 
 def _chunks_in_write_order(
-    files: dict[str, list[OutputTensor]], index: ShardIndex, reader: RankReader, chunk_bytes: int
+    files: dict[str, list[OutputTensor]], index: ShardIndex, reader, chunk_bytes: int
 ):
     for filename, tensors in files.items():
         for tensor in tensors:
-            for chunk in output_chunks(tensor, index, reader, chunk_bytes):
+            for chunk in reader.chunks(tensor, chunk_bytes):
                 yield filename, tensor.name, chunk
 
 

@@ -2,16 +2,19 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.fsdp import RankFiles, ShardIndex, index_shards
+from mergeflow.hf_config import ModelSpec
+from mergeflow.megatron import MegatronIndex, MegatronLayout, index_megatron
 
 
 @task(name="load-shards", cache_policy=NO_CACHE)
-def load_shards(rank_files: RankFiles) -> ShardIndex:
-    """Read every rank file's metadata (memory-mapped, weights_only); tensor data stays on disk."""
-    index = index_shards(rank_files)
-    get_run_logger().info(
-        "%d tensors on mesh %s %s",
-        len(index.tensors),
-        index.mesh_shape,
-        index.mesh_dim_names or "(plain tensors)",
-    )
+def load_shards(source: RankFiles | MegatronLayout, spec: ModelSpec) -> ShardIndex | MegatronIndex:
+    """Read the shards' metadata (FSDP rank files memory-mapped with weights_only, or a Megatron archive's
+    `.metadata` mapped onto HF names); tensor data stays on disk."""
+    logger = get_run_logger()
+    if isinstance(source, MegatronLayout):
+        index = index_megatron(source, spec)
+        logger.info("%d HF tensors from %d stored tensors, TP=%s", len(index.tensors), len(index.stored), index.tensor_parallel)
+        return index
+    index = index_shards(source)
+    logger.info("%d tensors on mesh %s %s", len(index.tensors), index.mesh_shape, index.mesh_dim_names or "(plain tensors)")
     return index

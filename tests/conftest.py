@@ -13,6 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 
 from mergeflow.fixtures.fsdp import Fixture, FixtureSpec, write_fixtures
+from mergeflow.fixtures.megatron import MegatronFixture, MegatronFixtureSpec, write_megatron_fixtures
 
 GENERATION_CONFIG = {
     "do_sample": True,
@@ -78,6 +79,21 @@ LORA_FIXTURE_NAMES = [spec.name for spec in LORA_FIXTURE_SPECS]
 def fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every fixture checkpoint, written once per session by real torch FSDP on gloo."""
     return write_fixtures(FIXTURE_SPECS + LORA_FIXTURE_SPECS, tmp_path_factory.mktemp("fixtures"))
+
+
+MEGATRON_FIXTURE_SPECS = [
+    MegatronFixtureSpec("megatron-qwen2-tp1"),
+    MegatronFixtureSpec("megatron-llama-tied-tp2", model="llama", tp=2, tie=True),
+    MegatronFixtureSpec("megatron-qwen3-pp2-2025-layout", model="qwen3", pp=2, layout="2025"),
+    MegatronFixtureSpec("megatron-qwen2-tied-tp2-pp2", tp=2, pp=2, tie=True),
+]
+MEGATRON_FIXTURE_NAMES = [spec.name for spec in MEGATRON_FIXTURE_SPECS]
+
+
+@pytest.fixture(scope="session")
+def megatron_fixtures(tmp_path_factory) -> dict[str, MegatronFixture]:
+    """Every Megatron fixture checkpoint, written once per session by real megatron-core on gloo."""
+    return write_megatron_fixtures(MEGATRON_FIXTURE_SPECS, tmp_path_factory.mktemp("megatron-fixtures"))
 
 
 @pytest.fixture

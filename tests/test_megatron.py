@@ -1,0 +1,129 @@
+"""Megatron `torch_dist` checkpoints, written by real megatron-core, merge into the original HF model."""
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mergeflow.dcp
+import mergeflow.megatron
+from flows.merge import merge_checkpoint
+from mergeflow.errors import CheckpointError, PlanError
+from mergeflow.hf_config import load_model_spec
+from mergeflow.megatron import find_megatron_checkpoint, index_megatron
+from mergeflow.planning import plan_merge
+from mergeflow.save import save_model
+from mergeflow.validation import validate_model_dir
+from tests.conftest import MEGATRON_FIXTURE_NAMES
+from tests.merging import load_weights, logits, model_class
+
+REPO_ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="session")
+def merged_megatron(megatron_fixtures, tmp_path_factory):
+    outputs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in outputs:
+            layout = find_megatron_checkpoint(megatron_fixtures[name].checkpoint_dir)
+            spec = load_model_spec(Path(layout.hf_dir))
+            index = index_megatron(layout, spec)
+            target = tmp_path_factory.mktemp("merged-megatron") / name
+            save_model(plan_merge(index, spec, dtype="keep"), index, spec, target, progress=False)
+            outputs[name] = target
+        return outputs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", MEGATRON_FIXTURE_NAMES)
+def test_merged_tensors_equal_the_original_model_bit_for_bit(megatron_fixtures, merged_megatron, name):
+    report = validate_model_dir(merged_megatron(name), reference_dir=megatron_fixtures[name].reference_dir)
+
+    assert report.passed, report.failure_message()
+    assert report.tensors_compared == len(load_weights(megatron_fixtures[name].reference_dir))
+
+
+@pytest.mark.parametrize("name", MEGATRON_FIXTURE_NAMES)
+def test_merged_model_gives_the_original_logits(megatron_fixtures, merged_megatron, name):
+    assert torch.equal(logits(merged_megatron(name), torch.float32), logits(megatron_fixtures[name].reference_dir, torch.float32))
+
+
+def test_tied_output_layer_is_not_written_and_untied_is(merged_megatron):
+    assert "lm_head.weight" not in load_weights(merged_megatron("megatron-llama-tied-tp2"))
+    assert "lm_head.weight" in load_weights(merged_megatron("megatron-qwen2-tp1"))
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
+    fixture = megatron_fixtures["megatron-qwen2-tied-tp2-pp2"]
+
+    saved = merge_checkpoint(
+        local_dir=str(fixture.checkpoint_dir),
+        target_dir=str(target_dir),
+        backend="megatron",
+        test_hf_dir=str(fixture.reference_dir),
+        dtype="keep",
+        progress=False,
+    )
+
+    assert model_class(target_dir).from_pretrained(target_dir) is not None
+    assert (target_dir / "tokenizer.json").read_bytes() == (fixture.model_dir / "huggingface" / "tokenizer.json").read_bytes()
+    assert saved.num_tensors == len(load_weights(fixture.reference_dir))
+
+
+def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
+    table = dict(mergeflow.megatron.HF_FROM_MEGATRON)
+    del table["decoder.layers.{}.mlp.linear_fc2.weight"]
+    monkeypatch.setattr(mergeflow.megatron, "HF_FROM_MEGATRON", table)
+    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir)
+
+    with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2 .*"decoder.layers.mlp.linear_fc2.weight"'):
+        index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
+
+
+def test_an_unknown_architecture_is_an_error_that_names_it(megatron_fixtures, tmp_path):
+    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir)
+    spec = load_model_spec(Path(layout.hf_dir))
+    config = tmp_path / "config"
+    config.mkdir()
+    text = (Path(layout.hf_dir) / "config.json").read_text().replace('"model_type": "qwen2"', '"model_type": "gpt2"')
+    (config / "config.json").write_text(text)
+
+    with pytest.raises(PlanError, match='unknown architecture for the Megatron backend: model_type "gpt2"'):
+        index_megatron(layout, spec.__class__(**{**spec.__dict__, "config_dir": str(config)}))
+
+
+def test_a_directory_without_dist_ckpt_is_an_error_that_says_which_to_pass(megatron_fixtures):
+    step_dir = megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir.parent
+
+    with pytest.raises(CheckpointError, match=r"not a Megatron checkpoint: .*: pass .*actor"):
+        find_megatron_checkpoint(step_dir)
+
+
+def test_metadata_that_asks_for_code_is_refused_without_running_it(tmp_path):
+    class Exploit:
+        def __reduce__(self):
+            return (subprocess.call, (["touch", str(tmp_path / "pwned")],))
+
+    archive = tmp_path / "dist_ckpt"
+    archive.mkdir()
+    (archive / ".metadata").write_bytes(pickle.dumps(Exploit()))
+
+    with pytest.raises(CheckpointError, match=r"refusing to load global subprocess\.call"):
+        mergeflow.dcp.read_metadata(archive)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_the_engine_never_imports_megatron_core():
+    code = "import sys, cli, flows.merge, flows.verify, mergeflow.megatron; print('megatron' in sys.modules)"
+
+    imported = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+
+    assert imported.stdout.strip() == "False"
+    sources = [p for folder in ("mergeflow", "tasks", "flows") for p in (REPO_ROOT / folder).rglob("*.py") if "fixtures" not in p.parts]
+    assert not [p for p in sources if "import megatron" in p.read_text() or "from megatron" in p.read_text()]
