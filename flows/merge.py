@@ -1,23 +1,33 @@
-"""The merge pipeline: world size, config, shards, LoRA, merge, save, validate, report, model card, upload."""
+"""The merge pipeline: fingerprint, then (once per fingerprint) world size, config, shards, LoRA, plan, the
+shards written as their own task runs, validation, model card and publication; then the upload."""
 
+import shutil
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger, task
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
 from mergeflow.errors import OptionError, ValidationError
+from mergeflow.fingerprint import MergeKey
 from mergeflow.hub import check_repo_id, default_revision, training_step
 from mergeflow.lora import describe_lora
+from mergeflow.manifest import SavedModel, output_intact
 from mergeflow.model_card import MergeFacts
-from mergeflow.output import check_target
+from mergeflow.output import check_target, resumable_staging
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
-from mergeflow.save import SavedModel
+from mergeflow.run_layout import label_of
+from tasks.cache import MERGE_CACHE, recorded_merge
 from tasks.detect_world_size import default_config_dir_of, detect_world_size
 from tasks.extract_lora import extract_lora
+from tasks.fingerprint import fingerprint
 from tasks.load_config import load_config
 from tasks.load_shards import load_shards
 from tasks.merge import merge
+from tasks.publish import publish
 from tasks.publish_report import publish_report
 from tasks.save import save
 from tasks.upload import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS, upload
@@ -25,6 +35,24 @@ from tasks.validate import validate
 from tasks.write_model_card import write_card
 
 BACKENDS = ("fsdp", "megatron")
+SHARD_WORKERS = 2
+"""Output shards written at once by the default (thread pool) task runner."""
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """Every option that changes what a merge writes (and so enters its cache key)."""
+
+    backend: str = "fsdp"
+    dtype: str = DEFAULT_DTYPE
+    max_shard_size: str = MAX_SHARD_SIZE
+    hf_model_config_path: str | None = None
+    trust_remote_code: bool = False
+    is_value_model: bool = False
+    tie_word_embedding: bool = False
+    merge_lora: bool = False
+    lora_alpha: float | None = None
+    base_model: str | None = None
 
 
 def check_backend(backend: str) -> None:
@@ -32,7 +60,76 @@ def check_backend(backend: str) -> None:
         raise OptionError(f"backend '{backend}' is not supported yet: choose one of {', '.join(BACKENDS)}")
 
 
-@flow(name="merge-checkpoint")
+def merge_run_name() -> str:
+    """`merge run-a/step-120/actor` in the Prefect UI."""
+    return f"merge {label_of(flow_run.parameters['local_dir'])}"
+
+
+@task(
+    name="merge-model",
+    cache_policy=MERGE_CACHE,
+    persist_result=True,
+    task_run_name="merge-model-{key.digest:.12}",
+)
+def merge_model(
+    key: MergeKey,
+    local_dir: str,
+    target_dir: str,
+    options: MergeOptions,
+    *,
+    overwrite: bool = False,
+    test_hf_dir: str | None = None,
+    check_logits: bool = False,
+    progress: bool = True,
+) -> SavedModel:
+    """Build the validated model folder beside the target and rename it into place; cached by `key`.
+
+    The target is checked first, under the merge's lock. The cached value is the output manifest. The staging directory is named by the key, so a run of the
+    same merge after a crash keeps the shards already written.
+    """
+    started = time.monotonic()
+    check_target(Path(target_dir), overwrite=overwrite)
+    source = detect_world_size(local_dir, options.backend)
+    spec = load_config(
+        local_dir,
+        options.hf_model_config_path or default_config_dir_of(source),
+        trust_remote_code=options.trust_remote_code,
+        is_value_model=options.is_value_model,
+        tie_word_embedding=options.tie_word_embedding,
+    )
+    index = load_shards(source, spec)
+    lora, adapter = extract_lora(
+        index, spec, merge_lora=options.merge_lora, lora_alpha=options.lora_alpha, dtype=options.dtype
+    )
+    plan = merge(index, spec, dtype=options.dtype, max_shard_size=options.max_shard_size, lora=lora)
+    staging = resumable_staging(Path(target_dir), key.digest)
+    staged = save(plan, index, spec, str(staging), target_dir, adapter=adapter, progress=progress)
+    report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits)
+    seconds = time.monotonic() - started
+    publish_report(index, plan or adapter.weights, report, saved=staged, lora=lora, seconds=seconds)
+    if not report.passed:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ValidationError(report.failure_message())
+    facts = MergeFacts(
+        source=index.checkpoint_dir,
+        step=training_step(index.checkpoint_dir),
+        backend=options.backend,
+        world_size=index.world_size,
+        dtype=staged.dtype,
+        merge_seconds=seconds,
+        validation=report.verdict(),
+        lora=describe_lora(lora) if lora else None,
+        base_model=options.base_model,
+    )
+    write_card(staged.target_dir, facts)
+    return publish(staged, target_dir, overwrite=overwrite)
+
+
+@flow(
+    name="merge-checkpoint",
+    flow_run_name=merge_run_name,
+    task_runner=ThreadPoolTaskRunner(max_workers=SHARD_WORKERS),
+)
 def merge_checkpoint(
     local_dir: str,
     target_dir: str,
@@ -55,66 +152,93 @@ def merge_checkpoint(
     base_model: str | None = None,
     upload_retries: int = UPLOAD_RETRIES,
     upload_retry_delay_seconds: float = UPLOAD_RETRY_DELAY_SECONDS,
+    refresh_cache: bool = False,
     progress: bool = True,
 ) -> SavedModel:
     """Merge a verl checkpoint directory (`global_step_N/actor`) into a validated Hugging Face model folder.
 
-    A LoRA checkpoint gives the base model plus `lora_adapter/`, or with `merge_lora` the base model
-    with the LoRA folded in. With `hf_upload_path` the validated model is uploaded to the Hub, on
+    A merge whose inputs (by path, size and mtime), options, target and engine version are unchanged, and
+    whose output is still in place, is a cache hit: nothing is read or written (`refresh_cache` forces a
+    new merge). A LoRA checkpoint gives the base model plus `lora_adapter/`, or with `merge_lora` the base
+    model with the LoRA folded in. With `hf_upload_path` the validated model is uploaded to the Hub, on
     `revision` (default: a branch per training step, `step-N`); the token comes from HF_TOKEN, the
     huggingface_hub login, or the Prefect Secret block named by `hf_token_secret`.
     """
-    started = time.monotonic()
     check_backend(backend)
-    check_target(Path(target_dir), overwrite=overwrite)
     if hf_upload_path:
         check_repo_id(hf_upload_path)
-
-    source = detect_world_size(local_dir, backend)
-    spec = load_config(
-        local_dir,
-        hf_model_config_path or default_config_dir_of(source),
+    options = MergeOptions(
+        backend=backend,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        hf_model_config_path=hf_model_config_path,
         trust_remote_code=trust_remote_code,
         is_value_model=is_value_model,
         tie_word_embedding=tie_word_embedding,
-    )
-    index = load_shards(source, spec)
-    lora, adapter = extract_lora(index, spec, merge_lora=merge_lora, lora_alpha=lora_alpha, dtype=dtype)
-    plan = merge(index, spec, dtype=dtype, max_shard_size=max_shard_size, lora=lora)
-    saved = save(plan, index, spec, target_dir, adapter=adapter, overwrite=overwrite, progress=progress)
-    report = validate(saved.target_dir, test_hf_dir, check_logits=check_logits)
-    seconds = time.monotonic() - started
-    publish_report(index, plan or adapter.weights, report, saved=saved, lora=lora, seconds=seconds)
-    if not report.passed:
-        raise ValidationError(report.failure_message())
-
-    facts = MergeFacts(
-        source=index.checkpoint_dir,
-        step=training_step(index.checkpoint_dir),
-        backend=backend,
-        world_size=index.world_size,
-        dtype=saved.dtype,
-        merge_seconds=seconds,
-        validation=report.verdict(),
-        lora=describe_lora(lora) if lora else None,
+        merge_lora=merge_lora,
+        lora_alpha=lora_alpha,
         base_model=base_model,
     )
-    write_card(saved.target_dir, facts)
+    key = fingerprint(local_dir, target_dir, asdict(options))
+    previous = recorded_merge(merge_model, key.digest)
+    reusable = previous is not None and not refresh_cache and output_intact(previous)
+    state = merge_model.with_options(refresh_cache=not reusable and (previous is not None or refresh_cache))(
+        key,
+        local_dir,
+        target_dir,
+        options,
+        overwrite=overwrite or previous is not None,
+        test_hf_dir=test_hf_dir,
+        check_logits=check_logits,
+        progress=progress,
+        return_state=True,
+    )
+    saved = state.result()
+    if state.is_completed() and state.name == "Cached":
+        get_run_logger().info(
+            "cache hit: %s already holds this merge, validated when it was written", target_dir
+        )
+        if test_hf_dir:
+            report = validate(saved.target_dir, test_hf_dir, check_logits=check_logits)
+            if not report.passed:
+                raise ValidationError(report.failure_message())
     if hf_upload_path:
-        upload_revision = revision or default_revision(index.checkpoint_dir)
-        upload.with_options(
-            retries=upload_retries,
-            retry_delay_seconds=exponential_backoff(backoff_factor=upload_retry_delay_seconds),
-        )(
-            saved.target_dir,
+        upload_merged(
+            saved,
+            local_dir,
             hf_upload_path,
-            revision=upload_revision,
-            checkpoint_dir=index.checkpoint_dir,
-            commit_message=commit_message(index.checkpoint_dir, facts.step),
+            revision,
             private=private,
             token_secret=hf_token_secret,
+            retries=upload_retries,
+            retry_delay_seconds=upload_retry_delay_seconds,
         )
     return saved
+
+
+def upload_merged(
+    saved: SavedModel,
+    local_dir: str,
+    repo_id: str,
+    revision: str | None,
+    *,
+    private: bool,
+    token_secret: str | None,
+    retries: int,
+    retry_delay_seconds: float,
+) -> None:
+    checkpoint_dir = str(Path(local_dir).absolute())
+    upload.with_options(
+        retries=retries, retry_delay_seconds=exponential_backoff(backoff_factor=retry_delay_seconds)
+    )(
+        saved.target_dir,
+        repo_id,
+        revision=revision or default_revision(checkpoint_dir),
+        checkpoint_dir=checkpoint_dir,
+        commit_message=commit_message(checkpoint_dir, training_step(checkpoint_dir)),
+        private=private,
+        token_secret=token_secret,
+    )
 
 
 def commit_message(checkpoint_dir: str, step: int | None) -> str:

@@ -7,7 +7,6 @@ is passed through and never appears in a message.
 """
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +15,9 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from mergeflow.errors import OptionError, UploadError
+from mergeflow.run_layout import STEP_DIR
 
 MAIN_BRANCH = "main"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 PERMANENT_REASONS = {
     401: "authentication problem: the Hub refused the token",

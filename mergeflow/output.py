@@ -44,6 +44,22 @@ def staged_output(target_dir: Path, *, overwrite: bool) -> Iterator[Path]:
         raise
 
 
+def resumable_staging(target_dir: Path, merge_key: str) -> Path:
+    """The staging directory beside the target for one merge (named by its key); what an interrupted run
+    of the same merge left there is kept, so shards already written need not be written again."""
+    target_dir = Path(target_dir).absolute()
+    staging = target_dir.parent / f"{STAGING_PREFIX}{target_dir.name}-{merge_key[:16]}"
+    staging.mkdir(parents=True, exist_ok=True)
+    return staging
+
+
+def publish(staging: Path, target_dir: Path, *, overwrite: bool) -> None:
+    """Rename a finished staging directory into place as the target, replacing the target only if allowed."""
+    target_dir = Path(target_dir).absolute()
+    check_target(target_dir, overwrite=overwrite)
+    _replace(staging, target_dir)
+
+
 def _replace(staging: Path, target_dir: Path) -> None:
     os.chmod(staging, 0o755)
     _fsync_dir(staging)

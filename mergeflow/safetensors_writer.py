@@ -9,6 +9,7 @@ page cache the shards are read from.
 
 import errno
 import fcntl
+import hashlib
 import json
 import mmap
 import os
@@ -77,9 +78,16 @@ class AlignedFile:
         self._view = memoryview(self._buffer)
         self._filled = 0
         self.size = 0
+        self._digest = hashlib.sha256()
+
+    @property
+    def sha256(self) -> str:
+        """Hex SHA-256 of every byte written so far."""
+        return self._digest.hexdigest()
 
     def write(self, data: memoryview) -> None:
         data = data.cast("B")
+        self._digest.update(data)
         position = 0
         while position < len(data):
             count = min(len(data) - position, len(self._view) - self._filled)
@@ -134,6 +142,11 @@ class SafetensorsWriter:
         self._written = 0
         self._file = AlignedFile(self.path)
         self._file.write(memoryview(build_header(self._entries)))
+
+    @property
+    def sha256(self) -> str:
+        """Hex SHA-256 of the file's bytes written so far (of the whole file once closed)."""
+        return self._file.sha256
 
     def write(self, name: str, chunk: torch.Tensor) -> None:
         """Append the next bytes of tensor `name`; chunks must come in order and add up to the tensor."""

@@ -2,43 +2,40 @@
 
 import contextlib
 import copy
+import dataclasses
 import json
+import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec, copy_side_files, write_config, write_generation_config
 from mergeflow.lora import ADAPTER_SUBDIR
+from mergeflow.manifest import SavedModel, describe_files
 from mergeflow.materialize import open_tensors
 from mergeflow.output import staged_output
 from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
-from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry
+from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.streaming import CHUNK_BYTES, prefetched
 
+DONE_SUFFIX = ".done"
+PARTIAL_SUFFIX = ".partial"
+
 
 @dataclass(frozen=True)
-class OutputFile:
+class ShardWritten:
+    """One safetensors file in the output, and whether an earlier, interrupted run had already written it."""
+
     name: str
     size: int
-
-
-@dataclass(frozen=True)
-class SavedModel:
-    """A small manifest of what a merge wrote (no tensors)."""
-
-    target_dir: str
-    files: tuple[OutputFile, ...]
-    """Every file written, by its path relative to `target_dir`."""
-    weight_files: tuple[str, ...]
-    total_size: int
-    num_tensors: int
-    dtype: str
-    seconds: float
-    adapter_dir: str | None = None
+    sha256: str
+    resumed: bool = False
 
 
 def save_model(
@@ -61,29 +58,62 @@ def save_model(
     started = time.monotonic()
     target_dir = Path(target_dir).absolute()
     with staged_output(target_dir, overwrite=overwrite) as staging:
+        written = []
         if plan is not None:
-            write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
-            write_weight_index(plan, staging)
-            write_config(spec, staging, plan.config_dtype)
-            write_generation_config(spec, staging)
-            copy_side_files(Path(spec.config_dir), staging)
-        if adapter is not None:
-            base = str(target_dir) if plan is not None else None
-            write_adapter(adapter, index, staging / ADAPTER_SUBDIR, base_model=base, progress=progress)
-        files = tuple(
-            OutputFile(str(p.relative_to(staging)), p.stat().st_size) for p in sorted(staging.rglob("*")) if p.is_file()
-        )
+            written = write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
+        write_model_files(plan, index, spec, staging, target_dir, adapter=adapter, progress=progress)
+        saved = describe_output(plan, adapter, staging, written, seconds=time.monotonic() - started)
+    return relocated(saved, target_dir)
+
+
+def write_model_files(
+    plan: MergePlan | None,
+    index: ShardIndex,
+    spec: ModelSpec,
+    staging: Path,
+    target_dir: Path,
+    *,
+    adapter: AdapterPlan | None = None,
+    progress: bool = True,
+) -> None:
+    """Everything but the weight shards: their index, config, generation config, side files, the adapter."""
+    if plan is not None:
+        write_weight_index(plan, staging)
+        write_config(spec, staging, plan.config_dtype)
+        write_generation_config(spec, staging)
+        copy_side_files(Path(spec.config_dir), staging)
+    if adapter is not None:
+        base = str(target_dir) if plan is not None else None
+        write_adapter(adapter, index, staging / ADAPTER_SUBDIR, base_model=base, progress=progress)
+
+
+def describe_output(
+    plan: MergePlan | None,
+    adapter: AdapterPlan | None,
+    folder: Path,
+    written: list[ShardWritten],
+    *,
+    seconds: float,
+) -> SavedModel:
+    """The manifest of a finished model folder; the shards' digests come from their writers."""
+    clear_shard_markers(folder)
     weights = plan if plan is not None else adapter.weights
     return SavedModel(
-        target_dir=str(target_dir),
-        files=files,
+        target_dir=str(folder),
+        files=describe_files(folder, {shard.name: shard.sha256 for shard in written}),
         weight_files=tuple(plan.shard_to_names) if plan is not None else (),
         total_size=weights.total_size,
         num_tensors=len(weights.tensors),
         dtype=weights.config_dtype,
-        seconds=time.monotonic() - started,
-        adapter_dir=str(target_dir / ADAPTER_SUBDIR) if adapter is not None else None,
+        seconds=seconds,
+        adapter_dir=str(Path(folder) / ADAPTER_SUBDIR) if adapter is not None else None,
     )
+
+
+def relocated(saved: SavedModel, target_dir: Path) -> SavedModel:
+    """The same manifest once its folder has been renamed to `target_dir`."""
+    adapter_dir = str(target_dir / ADAPTER_SUBDIR) if saved.adapter_dir is not None else None
+    return dataclasses.replace(saved, target_dir=str(target_dir), adapter_dir=adapter_dir)
 
 
 def write_adapter(
@@ -92,6 +122,7 @@ def write_adapter(
     """The adapter folder as PEFT's save_pretrained writes it: adapter_config.json and adapter_model.safetensors."""
     adapter_dir.mkdir()
     write_weights(adapter.weights, index, adapter_dir, progress=progress)
+    clear_shard_markers(adapter_dir)
     config = copy.deepcopy(adapter.config)
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(adapter_dir))
@@ -104,37 +135,84 @@ def write_weights(
     *,
     progress: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
-) -> None:
-    """Stream each planned tensor from the rank files into its safetensors file.
+) -> list[ShardWritten]:
+    """Stream every planned shard file from the checkpoint into `output_dir`, one after another."""
+    with tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar:
+        return [
+            write_shard(plan, index, output_dir, filename, chunk_bytes=chunk_bytes, on_bytes=bar.update)
+            for filename in plan.shard_to_names
+        ]
 
-    Chunks are assembled on a background thread while the previous ones are written.
+
+def write_shard(
+    plan: MergePlan,
+    index: ShardIndex,
+    output_dir: Path,
+    filename: str,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    on_bytes: Callable[[int], object] | None = None,
+) -> ShardWritten:
+    """Stream one planned safetensors file from the checkpoint, resumably.
+
+    The file is written as `<name>.partial` and renamed when complete, then a `.<name>.done` marker
+    records its size and SHA-256. A shard whose marker and file agree with the plan is kept as it is,
+    so a merge killed part way only writes the shards it had not finished. Chunks are assembled on a
+    background thread while the previous ones are written.
     """
-    files = {
-        filename: sorted((plan.tensors[name] for name in names), key=_safetensors_order)
-        for filename, names in plan.shard_to_names.items()
-    }
+    tensors = sorted((plan.tensors[name] for name in plan.shard_to_names[filename]), key=_safetensors_order)
+    entries = [TensorEntry(t.name, t.dtype, t.shape) for t in tensors]
+    final, marker = output_dir / filename, shard_marker(output_dir, filename)
+    expected_size = len(build_header(entries)) + sum(entry.nbytes for entry in entries)
+    finished = _finished_shard(final, marker, expected_size)
+    if finished is not None:
+        if on_bytes is not None:
+            on_bytes(expected_size)
+        return finished
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
     with (
         contextlib.closing(open_tensors(index)) as reader,
-        tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar,
-        contextlib.ExitStack() as open_file,
+        SafetensorsWriter(partial, entries) as writer,
     ):
-        writer = None
-        for filename, name, chunk in prefetched(_chunks_in_write_order(files, index, reader, chunk_bytes)):
-            if writer is None or writer.path.name != filename:
-                open_file.close()
-                entries = [TensorEntry(t.name, t.dtype, t.shape) for t in files[filename]]
-                writer = open_file.enter_context(SafetensorsWriter(output_dir / filename, entries))
-            writer.write(name, chunk)
-            bar.update(chunk.numel() * chunk.element_size())
+        for tensor_name, chunk in prefetched(_chunks(tensors, reader, chunk_bytes)):
+            writer.write(tensor_name, chunk)
+            if on_bytes is not None:
+                on_bytes(chunk.numel() * chunk.element_size())
+    written = ShardWritten(filename, expected_size, writer.sha256)
+    os.replace(partial, final)
+    marker_tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
+    marker_tmp.write_text(json.dumps({"size": written.size, "sha256": written.sha256}))
+    os.replace(marker_tmp, marker)
+    return written
 
 
-def _chunks_in_write_order(
-    files: dict[str, list[OutputTensor]], index: ShardIndex, reader, chunk_bytes: int
-):
-    for filename, tensors in files.items():
-        for tensor in tensors:
-            for chunk in reader.chunks(tensor, chunk_bytes):
-                yield filename, tensor.name, chunk
+def shard_marker(output_dir: Path, filename: str) -> Path:
+    return output_dir / f".{filename}{DONE_SUFFIX}"
+
+
+def clear_shard_markers(folder: Path) -> None:
+    """Remove the resume markers and any unfinished `.partial` file once every shard is written."""
+    for path in folder.iterdir():
+        if (path.name.startswith(".") and path.name.endswith(DONE_SUFFIX)) or path.name.endswith(PARTIAL_SUFFIX):
+            path.unlink()
+
+
+def _finished_shard(final: Path, marker: Path, expected_size: int) -> ShardWritten | None:
+    if not (final.is_file() and marker.is_file()):
+        return None
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("size") != expected_size or final.stat().st_size != expected_size:
+        return None
+    return ShardWritten(final.name, expected_size, record["sha256"], resumed=True)
+
+
+def _chunks(tensors: list[OutputTensor], reader, chunk_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for tensor in tensors:
+        for chunk in reader.chunks(tensor, chunk_bytes):
+            yield tensor.name, chunk
 
 
 def _safetensors_order(tensor) -> tuple[int, str]:

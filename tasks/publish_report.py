@@ -9,8 +9,8 @@ from prefect.cache_policies import NO_CACHE
 
 from mergeflow.fsdp import ShardIndex
 from mergeflow.lora import LoraPlan, describe_lora
+from mergeflow.manifest import SavedModel
 from mergeflow.planning import MergePlan
-from mergeflow.save import SavedModel
 from mergeflow.validation import ValidationReport
 
 KEY_PATH_PARTS = 3

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 from mergeflow.fsdp import find_rank_files, index_shards
 from mergeflow.hf_config import default_config_dir, load_model_spec
 from mergeflow.lora import plan_lora
+from mergeflow.manifest import SavedModel
 from mergeflow.planning import plan_adapter, plan_merge
-from mergeflow.save import SavedModel, save_model
+from mergeflow.save import save_model
 from mergeflow.streaming import CHUNK_BYTES
 
 INPUT_IDS = torch.tensor([[2, 5, 7, 11, 13, 17, 19, 23, 29, 31]])

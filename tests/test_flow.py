@@ -1,47 +1,27 @@
 """The merge runs as a Prefect flow whose task runs are visible through the API."""
 
-import time
-
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from flows.merge import merge_checkpoint
+from tests.prefect_runs import task_runs_of
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
 PIPELINE_STEPS = [
+    "fingerprint",
+    "merge-model",
     "detect-world-size",
     "load-config",
     "load-shards",
     "extract-lora",
     "merge",
     "save",
+    "write model.safetensors",
     "validate",
     "publish-report",
     "write-model-card",
+    "publish",
 ]
-
-
-API_WAIT_SECONDS = 30
-
-
-def task_runs_of(flow_run_id, *, count: int):
-    """The flow run's task runs, once the API has all `count` of them in a final state.
-
-    Task runs reach the server as events, processed asynchronously: poll, within a bound.
-    """
-    deadline = time.monotonic() + API_WAIT_SECONDS
-    while True:
-        with get_client(sync_client=True) as client:
-            runs = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-            )
-        if (len(runs) >= count and all(run.state and run.state.is_final() for run in runs)) or (
-            time.monotonic() > deadline
-        ):
-            return sorted(runs, key=lambda run: run.expected_start_time)
-        time.sleep(0.5)
 
 
 def test_each_pipeline_step_is_a_completed_task_run(fixtures, target_dir):
@@ -74,6 +54,6 @@ def test_failing_step_fails_the_flow_run_at_that_task(copy_checkpoint, target_di
 
     state = merge_checkpoint(local_dir=str(checkpoint), target_dir=str(target_dir), return_state=True)
 
-    runs = task_runs_of(state.state_details.flow_run_id, count=2)
+    runs = task_runs_of(state.state_details.flow_run_id, count=3)
     assert state.is_failed()
-    assert [run.name.rsplit("-", 1)[0] for run in runs if run.state.is_failed()] == ["detect-world-size"]
+    assert [run.name.rsplit("-", 1)[0] for run in runs if run.state.is_failed()] == ["merge-model", "detect-world-size"]

@@ -14,7 +14,7 @@ from flows.merge import merge_checkpoint
 from mergeflow.errors import OptionError, UploadError
 from mergeflow.validation import validate_model_dir
 from tests.hub_server import FakeHub, Fault
-from tests.test_flow import API_WAIT_SECONDS
+from tests.prefect_runs import API_WAIT_SECONDS
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -16,7 +16,7 @@ from flows.merge import merge_checkpoint
 from mergeflow.validation import validate_model_dir
 from tasks.publish_report import artifact_key
 from tests.merging import merge_with_engine
-from tests.test_flow import API_WAIT_SECONDS
+from tests.prefect_runs import API_WAIT_SECONDS
 
 CHECKPOINT = "llama-untied-ws3"
 

@@ -1,0 +1,25 @@
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
+
+from mergeflow.fsdp import ShardIndex
+from mergeflow.planning import MergePlan
+from mergeflow.save import ShardWritten
+from mergeflow.save import write_shard as write_shard_file
+
+
+@task(name="write-shard", cache_policy=NO_CACHE, task_run_name="write {filename}")
+def write_shard(
+    plan: MergePlan, index: ShardIndex, staging_dir: str, filename: str, *, progress: bool = False
+) -> ShardWritten:
+    """Stream one output safetensors file into the staging directory; a file an interrupted run finished is kept."""
+    size = sum(plan.tensors[name].nbytes for name in plan.shard_to_names[filename])
+    with tqdm(total=size, unit="B", unit_scale=True, desc=filename, disable=not progress) as bar:
+        written = write_shard_file(plan, index, Path(staging_dir), filename, on_bytes=bar.update)
+    if written.resumed:
+        get_run_logger().info("%s: kept from an interrupted run (%d bytes)", filename, written.size)
+    else:
+        get_run_logger().info("%s: %d bytes written", filename, written.size)
+    return written
