@@ -84,6 +84,25 @@ def _add_tolerance_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)")
 
 
+def _add_task_runner_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--task-runner",
+        "--task_runner",
+        dest="task_runner",
+        default="threads",
+        help="where output shards are written: threads[:N] (default), dask[:N] (a local cluster), dask://HOST:PORT",
+    )
+
+
+def _add_automation_options(parser: argparse.ArgumentParser) -> None:
+    """Options of merges nobody types by hand: where models go, their dtype, and the upload."""
+    parser.add_argument("--output", dest="output_dir", required=True, help="merged models go to OUTPUT/<run>/global_step_N/<role>")
+    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
+    parser.add_argument("--upload", dest="hf_upload_path", default=None, metavar="USER/NAME", help="upload each merged model")
+    parser.add_argument("--private", action="store_true")
+    parser.add_argument("--hf-token-secret", "--hf_token_secret", dest="hf_token_secret", default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mergeflow", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default=MAX_SHARD_SIZE)
     merge.add_argument("--overwrite", action="store_true", help="replace a non-empty target directory")
     merge.add_argument("--no-progress", dest="progress", action="store_false")
+    merge.add_argument(
+        "--no-cache",
+        dest="refresh_cache",
+        action="store_true",
+        help="merge again even when the same merge's output is in place",
+    )
+    _add_task_runner_option(merge)
     merge.add_argument(
         "--test_hf_dir",
         "--test-hf-dir",
@@ -160,6 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--json", action="store_true", help="print JSON")
 
+    watch = commands.add_parser("watch", help="announce each complete checkpoint of verl runs as a Prefect event")
+    watch.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+
+    serve = commands.add_parser(
+        "serve", help="serve the merge-on-checkpoint and sweep deployments, with a watcher per run directory"
+    )
+    serve.add_argument("--watch", dest="run_dirs", action="append", required=True, metavar="RUN_DIR")
+    _add_automation_options(serve)
+    serve.add_argument("--schedule", default=None, metavar="CRON", help="cron schedule of the sweep (default: hourly)")
+    serve.add_argument("--concurrency", type=int, default=1, help="merges at once (default 1)")
+    _add_task_runner_option(serve)
+
+    sweep = commands.add_parser("sweep", help="merge every complete checkpoint of verl runs not merged yet")
+    sweep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    _add_automation_options(sweep)
+
     demo = commands.add_parser("demo", help="write a tiny real FSDP2 checkpoint and merge it")
     demo.add_argument(
         "--workdir", default=None, help="where to put the demo (default: a temporary directory)"
@@ -169,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_merge(args: argparse.Namespace) -> int:
     from flows.merge import merge_checkpoint
+    from flows.task_runners import task_runner_from
 
-    saved = merge_checkpoint(
+    flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
+    saved = flow(
         local_dir=args.local_dir,
         target_dir=args.target_dir,
         backend=args.backend,
@@ -190,6 +234,7 @@ def run_merge(args: argparse.Namespace) -> int:
         revision=args.revision,
         hf_token_secret=args.hf_token_secret,
         base_model=args.base_model,
+        refresh_cache=args.refresh_cache,
         progress=args.progress,
     )
     print(f"merged {args.local_dir} -> {saved.target_dir} ({saved.num_tensors} tensors, {saved.dtype})")
@@ -252,12 +297,69 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if demo(workdir) else 1
 
 
+def run_watch(args: argparse.Namespace) -> int:
+    import time
+
+    from deployments.watcher import CheckpointWatcher
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    watchers = [CheckpointWatcher(Path(run_dir)) for run_dir in args.run_dirs]
+    for watcher in watchers:
+        watcher.start()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for watcher in watchers:
+            watcher.stop()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from deployments.serve import ServeOptions, serve_forever
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    serve_forever(
+        ServeOptions(
+            run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
+            output_dir=str(Path(args.output_dir).absolute()),
+            dtype=args.dtype,
+            hf_upload_path=args.hf_upload_path,
+            private=args.private,
+            hf_token_secret=args.hf_token_secret,
+            schedule=args.schedule,
+            concurrency=args.concurrency,
+            task_runner=args.task_runner,
+        )
+    )
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from flows.sweep import sweep_checkpoints
+
+    merged = sweep_checkpoints(
+        run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
+        output_dir=str(Path(args.output_dir).absolute()),
+        dtype=args.dtype,
+        hf_upload_path=args.hf_upload_path,
+        private=args.private,
+        hf_token_secret=args.hf_token_secret,
+    )
+    print(f"merged {len(merged)} checkpoint(s)" + "".join(f"\n  {target}" for target in merged))
+    return 0
+
+
 COMMANDS = {
     "merge": run_merge,
     "test": run_test,
     "validate": run_validate,
     "inspect": run_inspect,
     "demo": run_demo,
+    "watch": run_watch,
+    "serve": run_serve,
+    "sweep": run_sweep,
 }
 
 
@@ -289,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
-    if args.command in ("merge", "test", "validate", "demo"):
+    if args.command in ("merge", "test", "validate", "demo", "sweep"):
         _quiet_console_tracebacks()
     try:
         return COMMANDS[args.command](args)

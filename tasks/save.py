@@ -5,7 +5,6 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
-from prefect.utilities.annotations import quote
 
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec
@@ -54,7 +53,7 @@ def write_shards(plan: MergePlan, index: ShardIndex, staging_dir: str, *, progre
         description=f"shards written for {index.checkpoint_dir}",
     )
     futures = [
-        write_shard.submit(quote(plan), quote(index), staging_dir, filename, progress=progress)
+        write_shard.submit(plan, index, staging_dir, filename, progress=progress)
         for filename in plan.shard_to_names
     ]
     written = []

@@ -1,0 +1,86 @@
+"""`mergeflow serve`: the merge deployment triggered by checkpoint events, the scheduled sweep, and the
+watchers that emit those events, served from one process against the configured Prefect server."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import serve
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import RunnerDeployment
+from prefect.events import DeploymentEventTrigger
+
+from deployments.watcher import EVENT_NAME, RESOURCE_PREFIX, CheckpointWatcher
+from flows.merge import merge_checkpoint
+from flows.sweep import sweep_checkpoints
+from flows.task_runners import task_runner_from
+
+MERGE_DEPLOYMENT = "on-checkpoint"
+SWEEP_DEPLOYMENT = "sweep"
+DEFAULT_SWEEP_INTERVAL_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    run_dirs: list[str]
+    output_dir: str
+    dtype: str = "bf16"
+    hf_upload_path: str | None = None
+    private: bool = False
+    hf_token_secret: str | None = None
+    schedule: str | None = None
+    """A cron expression for the sweep; without one it runs every hour."""
+    concurrency: int = 1
+    """Merges at once; more runs wait their turn."""
+    task_runner: str = "threads"
+    extra_merge_parameters: dict = field(default_factory=dict)
+
+
+def checkpoint_trigger(options: ServeOptions) -> DeploymentEventTrigger:
+    """Fire the merge deployment on `mergeflow.checkpoint.saved`; its parameters come from the event."""
+    payload = "event.payload"
+    target = f"{options.output_dir}/{{{{ {payload}.run }}}}/global_step_{{{{ {payload}.step }}}}/{{{{ {payload}.role }}}}"
+    return DeploymentEventTrigger(
+        name="merge each new checkpoint",
+        expect={EVENT_NAME},
+        match={"prefect.resource.id": f"{RESOURCE_PREFIX}*"},
+        parameters={
+            "local_dir": f"{{{{ {payload}.local_dir }}}}",
+            "target_dir": target,
+            "backend": f"{{{{ {payload}.backend }}}}",
+            "is_value_model": f"{{{{ {payload}.is_value_model }}}}",
+        },
+    )
+
+
+def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
+    upload = {"hf_upload_path": options.hf_upload_path, "private": options.private, "hf_token_secret": options.hf_token_secret}
+    limit = ConcurrencyLimitConfig(limit=options.concurrency, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+    merge_flow = merge_checkpoint.with_options(task_runner=task_runner_from(options.task_runner))
+    on_checkpoint = merge_flow.to_deployment(
+        name=MERGE_DEPLOYMENT,
+        triggers=[checkpoint_trigger(options)],
+        parameters={"dtype": options.dtype, "progress": False, **upload, **options.extra_merge_parameters},
+        concurrency_limit=limit,
+        description="Merge a verl checkpoint when the watcher announces it.",
+    )
+    schedule = {"cron": options.schedule} if options.schedule else {"interval": DEFAULT_SWEEP_INTERVAL_SECONDS}
+    sweep = sweep_checkpoints.to_deployment(
+        name=SWEEP_DEPLOYMENT,
+        parameters={"run_dirs": options.run_dirs, "output_dir": options.output_dir, "dtype": options.dtype, **upload},
+        concurrency_limit=1,
+        description="Merge every complete checkpoint not merged yet.",
+        **schedule,
+    )
+    return [on_checkpoint, sweep]
+
+
+def serve_forever(options: ServeOptions) -> None:
+    """Start a watcher per run directory, then serve the deployments until interrupted."""
+    watchers = [CheckpointWatcher(Path(run_dir)) for run_dir in options.run_dirs]
+    for watcher in watchers:
+        watcher.start()
+    try:
+        serve(*build_deployments(options), limit=options.concurrency)
+    finally:
+        for watcher in watchers:
+            watcher.stop()

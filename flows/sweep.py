@@ -1,0 +1,58 @@
+"""The scheduled sweep: merge every complete checkpoint of one or more verl run directories not merged yet."""
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.merge import merge_checkpoint
+from mergeflow.errors import MergeflowError
+from mergeflow.run_layout import Checkpoint, complete_checkpoints
+
+
+def unmerged_checkpoints(run_dirs: list[str], output_dir: str) -> list[Checkpoint]:
+    """Complete checkpoints (at or below each run's tracker step) whose target under `output_dir` is missing or empty."""
+    return [
+        checkpoint
+        for run_dir in run_dirs
+        for checkpoint in complete_checkpoints(Path(run_dir))
+        if not _holds_files(Path(checkpoint.target_in(output_dir)))
+    ]
+
+
+def _holds_files(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+@flow(name="sweep-checkpoints", flow_run_name="sweep {output_dir}")
+def sweep_checkpoints(
+    run_dirs: list[str],
+    output_dir: str,
+    dtype: str = "bf16",
+    hf_upload_path: str | None = None,
+    private: bool = False,
+    hf_token_secret: str | None = None,
+) -> list[str]:
+    """Merge each unmerged checkpoint as a `merge-checkpoint` subflow run, oldest first; one failure does
+    not stop the others, and fails the sweep at the end. Returns the targets written."""
+    logger = get_run_logger()
+    pending = unmerged_checkpoints(run_dirs, output_dir)
+    logger.info("%d checkpoint(s) to merge: %s", len(pending), ", ".join(c.label for c in pending) or "none")
+    merged, failed = [], []
+    for checkpoint in pending:
+        target_dir = checkpoint.target_in(output_dir)
+        state = merge_checkpoint(
+            local_dir=checkpoint.local_dir,
+            target_dir=target_dir,
+            backend=checkpoint.backend,
+            is_value_model=checkpoint.role == "critic",
+            dtype=dtype,
+            hf_upload_path=hf_upload_path,
+            private=private,
+            hf_token_secret=hf_token_secret,
+            progress=False,
+            return_state=True,
+        )
+        (merged if state.is_completed() else failed).append(target_dir if state.is_completed() else checkpoint.label)
+    if failed:
+        raise MergeflowError(f"{len(failed)} of {len(pending)} merges failed: {', '.join(failed)}")
+    return merged

@@ -1,0 +1,46 @@
+"""The per-shard merge tasks run on a Dask cluster as on the local thread pool, with the same output."""
+
+import re
+
+import pytest
+
+from flows.merge import merge_checkpoint
+from flows.task_runners import task_runner_from
+from mergeflow.errors import OptionError
+
+SHARD_SIZE = "12KB"
+
+
+def merged_files(folder):
+    """Every file's bytes, but the model card (it records the merge time)."""
+    return {path.name: path.read_bytes() for path in folder.iterdir() if path.name != "README.md"}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_dask_local_cluster_output_equals_the_thread_pool_output(fixtures, tmp_path):
+    checkpoint = str(fixtures["qwen2-ws2"].checkpoint_dir)
+    on_threads, on_dask = tmp_path / "threads", tmp_path / "dask"
+    merge_checkpoint(local_dir=checkpoint, target_dir=str(on_threads), max_shard_size=SHARD_SIZE, progress=False)
+
+    saved = merge_checkpoint.with_options(task_runner=task_runner_from("dask:2"))(
+        local_dir=checkpoint, target_dir=str(on_dask), max_shard_size=SHARD_SIZE, progress=False
+    )
+
+    assert len(saved.weight_files) > 1
+    assert merged_files(on_dask) == merged_files(on_threads)
+
+
+def test_unknown_task_runner_is_refused_with_the_accepted_forms():
+    with pytest.raises(OptionError, match=re.escape("use threads[:N], dask[:N] or dask://HOST:PORT")):
+        task_runner_from("ray")
+
+
+@pytest.mark.parametrize("spec", ["threads:0", "threads:x", "dask:-1"])
+def test_worker_count_must_be_a_positive_number(spec):
+    with pytest.raises(OptionError, match="is not a positive number of workers"):
+        task_runner_from(spec)
+
+
+def test_dask_address_names_the_scheduler():
+    assert task_runner_from("dask://10.0.0.5:8786").address == "tcp://10.0.0.5:8786"
