@@ -1,0 +1,169 @@
+"""End to end against a real `prefect server start`: `mergeflow serve --watch RUN --output OUT` turns each
+checkpoint verl saves into a merged, validated model, once."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from deployments.watcher import announce, checkpoint_version
+from mergeflow.run_layout import checkpoints_of_step
+from mergeflow.validation import validate_model_dir
+from tests.run_dirs import save_step
+
+pytestmark = pytest.mark.slow
+
+STARTUP_SECONDS = 180
+MERGE_SECONDS = 120
+QUIET_SECONDS = 15
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {seconds}s waiting for {what}")
+
+
+def healthy(api_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(fixtures, tmp_path_factory):
+    """A Prefect server, and `mergeflow serve` watching an empty run directory: (api_url, run_dir, output_dir)."""
+    base = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(base / "prefect-home"),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_UI_API_URL": api_url,
+        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(base / "results"),
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+    }
+    logs = base / "logs"
+    logs.mkdir()
+    server = subprocess.Popen(
+        ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=open(logs / "server.log", "w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    run_dir, output_dir = base / "run-a", base / "out"
+    try:
+        wait_until(lambda: healthy(api_url), STARTUP_SECONDS, "the Prefect server")
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "cli", "serve", "--watch", str(run_dir), "--output", str(output_dir)],
+            env=env, stdout=open(logs / "serve.log", "w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            with temporary_settings({PREFECT_API_URL: api_url}):
+                wait_until(lambda: _deployment_count() == 2, STARTUP_SECONDS, "the served deployments")
+                yield api_url, run_dir, output_dir
+        finally:
+            stop(serve)
+    finally:
+        stop(server)
+
+
+def _deployment_count() -> int:
+    with get_client(sync_client=True) as client:
+        return len(client.read_deployments())
+
+
+def flow_runs(label: str):
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=label)))
+
+
+def merge_model_states(label: str) -> list[str]:
+    """States of the merge-model task runs of every flow run merging `label`."""
+    runs = flow_runs(label)
+    if not runs:
+        return []
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [run.id for run in runs]}),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge-model")),
+        )
+    return sorted(run.state.name for run in task_runs if run.state and run.state.is_final())
+
+
+def test_saved_checkpoint_becomes_a_validated_model(served, fixtures):
+    _, run_dir, output_dir = served
+
+    save_step(fixtures["qwen2-ws2"], run_dir, 1)
+
+    target = output_dir / "run-a" / "global_step_1" / "actor"
+    wait_until(lambda: (target / "model.safetensors").is_file(), MERGE_SECONDS, "the merged model")
+    (run,) = wait_until(
+        lambda: [r for r in flow_runs("run-a/step-1/actor") if r.state.is_completed()] or None,
+        MERGE_SECONDS,
+        "a Completed flow run",
+    )
+    assert run.name == "merge run-a/step-1/actor"
+    assert validate_model_dir(target).passed
+
+
+def test_shards_without_a_tracker_update_trigger_nothing(served, fixtures):
+    _, run_dir, output_dir = served
+
+    save_step(fixtures["qwen2-ws2"], run_dir, 2, update_tracker=False)
+
+    time.sleep(QUIET_SECONDS)
+    assert flow_runs("run-a/step-2/actor") == []
+    assert not (output_dir / "run-a" / "global_step_2").exists()
+
+
+def test_the_same_event_twice_merges_once(served):
+    _, run_dir, _ = served
+    wait_until(lambda: merge_model_states("run-a/step-1/actor") == ["Completed"], MERGE_SECONDS, "the first merge")
+    (checkpoint,) = checkpoints_of_step(Path(run_dir), 1)
+
+    announce(checkpoint, checkpoint_version(checkpoint))
+
+    time.sleep(QUIET_SECONDS)
+    assert merge_model_states("run-a/step-1/actor").count("Completed") == 1
+
+
+def test_another_run_on_the_same_checkpoint_is_a_cache_hit(served):
+    _, run_dir, _ = served
+    (checkpoint,) = checkpoints_of_step(Path(run_dir), 1)
+
+    announce(checkpoint, "a version the watcher never saw")
+
+    wait_until(lambda: "Cached" in merge_model_states("run-a/step-1/actor"), MERGE_SECONDS, "a Cached merge")
+    assert merge_model_states("run-a/step-1/actor").count("Completed") == 1
