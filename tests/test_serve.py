@@ -15,8 +15,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from deployments.watcher import announce, checkpoint_version
-from mergeflow.run_layout import checkpoints_of_step
 from mergeflow.validation import validate_model_dir
 from tests.run_dirs import save_step
 
@@ -61,7 +59,8 @@ def stop(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def served(fixtures, tmp_path_factory):
-    """A Prefect server, and `mergeflow serve` watching an empty run directory: (api_url, run_dir, output_dir)."""
+    """A Prefect server, and `mergeflow serve` watching an empty run directory: (env, run_dir, output_dir),
+    where `env` points a process at that server."""
     base = tmp_path_factory.mktemp("serve")
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
@@ -92,7 +91,7 @@ def served(fixtures, tmp_path_factory):
         try:
             with temporary_settings({PREFECT_API_URL: api_url}):
                 wait_until(lambda: _deployment_count() == 2, STARTUP_SECONDS, "the served deployments")
-                yield api_url, run_dir, output_dir
+                yield env, run_dir, output_dir
         finally:
             stop(serve)
     finally:
@@ -148,22 +147,26 @@ def test_shards_without_a_tracker_update_trigger_nothing(served, fixtures):
     assert not (output_dir / "run-a" / "global_step_2").exists()
 
 
-def test_the_same_event_twice_merges_once(served):
-    _, run_dir, _ = served
-    wait_until(lambda: merge_model_states("run-a/step-1/actor") == ["Completed"], MERGE_SECONDS, "the first merge")
-    (checkpoint,) = checkpoints_of_step(Path(run_dir), 1)
+def announce(env: dict, run_dir: Path, step: int, *version: str) -> None:
+    """Emit a step's event from another process, as the watcher would."""
+    command = [sys.executable, "-m", "tests.announce", str(run_dir), str(step), *version]
+    subprocess.run(command, env=env, check=True, timeout=120)
 
-    announce(checkpoint, checkpoint_version(checkpoint))
+
+def test_the_same_event_twice_merges_once(served):
+    env, run_dir, _ = served
+    wait_until(lambda: merge_model_states("run-a/step-1/actor") == ["Completed"], MERGE_SECONDS, "the first merge")
+
+    announce(env, run_dir, 1)
 
     time.sleep(QUIET_SECONDS)
     assert merge_model_states("run-a/step-1/actor").count("Completed") == 1
 
 
 def test_another_run_on_the_same_checkpoint_is_a_cache_hit(served):
-    _, run_dir, _ = served
-    (checkpoint,) = checkpoints_of_step(Path(run_dir), 1)
+    env, run_dir, _ = served
 
-    announce(checkpoint, "a version the watcher never saw")
+    announce(env, run_dir, 1, "a version the watcher never saw")
 
     wait_until(lambda: "Cached" in merge_model_states("run-a/step-1/actor"), MERGE_SECONDS, "a Cached merge")
     assert merge_model_states("run-a/step-1/actor").count("Completed") == 1
