@@ -84,8 +84,9 @@ def merge_model(
 ) -> SavedModel:
     """Build the validated model folder beside the target and rename it into place; cached by `key`.
 
-    The target is checked first, under the merge's lock. The cached value is the output manifest. The staging directory is named by the key, so a run of the
-    same merge after a crash keeps the shards already written.
+    The target is checked first, under the merge's lock. The cached value is the output manifest. The
+    staging directory is named by the key, so a run of the same merge after a crash keeps the shards
+    already written.
     """
     started = time.monotonic()
     check_target(Path(target_dir), overwrite=overwrite)
