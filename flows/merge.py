@@ -69,6 +69,7 @@ def merge_run_name() -> str:
     name="merge-model",
     cache_policy=MERGE_CACHE,
     persist_result=True,
+    result_serializer="json",
     task_run_name="merge-model-{key.digest:.12}",
 )
 def merge_model(

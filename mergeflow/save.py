@@ -120,7 +120,7 @@ def write_adapter(
     adapter: AdapterPlan, index: ShardIndex, adapter_dir: Path, *, base_model: str | None, progress: bool = True
 ) -> None:
     """The adapter folder as PEFT's save_pretrained writes it: adapter_config.json and adapter_model.safetensors."""
-    adapter_dir.mkdir()
+    adapter_dir.mkdir(exist_ok=True)  # a resumed merge finds it
     write_weights(adapter.weights, index, adapter_dir, progress=progress)
     clear_shard_markers(adapter_dir)
     config = copy.deepcopy(adapter.config)

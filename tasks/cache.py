@@ -69,7 +69,10 @@ MERGE_CACHE = CacheKeyFnPolicy(cache_key_fn=merge_key_of).configure(
 
 
 def recorded_merge(task, digest: str) -> SavedModel | None:
-    """The manifest `task` cached under `digest`, if any (waiting while a run of the same merge holds its lock)."""
+    """The manifest `task` cached under `digest`, if any (waiting while a run of the same merge holds its lock).
+
+    Records are JSON (the task's result serializer), never pickles.
+    """
     store = get_result_store().update_for_task(task)
     if not store.exists(digest):
         return None
