@@ -2,12 +2,12 @@
 
     python -m bench.job mergeflow|verl CHECKPOINT_DIR TARGET_DIR
 
-Peak RSS is this process's `ru_maxrss`; bytes read and written are the storage-layer counters of
+Peak RSS is this process's `VmHWM` (not `ru_maxrss`, which Linux carries over from the parent through
+fork and exec, so a child of a large bench process would report the parent's size); bytes read and written are the storage-layer counters of
 /proc/self/io (page-cache hits read nothing), with `rchar`/`wchar` for bytes passed through syscalls.
 """
 
 import json
-import resource
 import sys
 import threading
 import time
@@ -62,6 +62,15 @@ def io_counters() -> dict[str, int]:
 
 
 RSS_FIELDS = ("RssAnon", "RssFile", "RssShmem")
+
+
+def high_water_rss() -> int:
+    """The kernel's peak resident set of this process image, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == "VmHWM":
+            return int(value.split()[0]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
 RSS_SAMPLE_SECONDS = 0.05
 
 
@@ -101,7 +110,7 @@ def main() -> None:
     print(json.dumps({
         "tool": tool,
         "wall_seconds": wall,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": high_water_rss(),
         **{f"peak_{key}_bytes": value for key, value in rss.peaks.items()},
         **{key: after[key] - before[key] for key in ("read_bytes", "write_bytes", "rchar", "wchar")},
     }))
