@@ -14,13 +14,16 @@ from prefect.tasks import exponential_backoff
 from mergeflow.errors import OptionError, ValidationError
 from mergeflow.fingerprint import MergeKey
 from mergeflow.hub import check_repo_id, default_revision, training_step
-from mergeflow.lora import describe_lora
+from mergeflow.lora import LoraPlan, describe_lora
 from mergeflow.manifest import SavedModel, output_intact
+from mergeflow.megatron import MegatronLayout
 from mergeflow.model_card import MergeFacts
 from mergeflow.output import check_target, resumable_staging
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
 from mergeflow.run_layout import label_of
+from mergeflow.validation import ValidationReport
 from tasks.cache import MERGE_CACHE, recorded_merge
+from tasks.copy_model import copy_model
 from tasks.detect_world_size import default_config_dir_of, detect_world_size
 from tasks.extract_lora import extract_lora
 from tasks.fingerprint import fingerprint
@@ -92,6 +95,14 @@ def merge_model(
     started = time.monotonic()
     check_target(Path(target_dir), overwrite=overwrite)
     source = detect_world_size(local_dir, options.backend)
+    if isinstance(source, MegatronLayout) and source.hf_weights:
+        staging = resumable_staging(Path(target_dir), key.digest)
+        staged = copy_model(source.hf_dir, str(staging))
+        report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits)
+        check_report(report, staging)
+        facts = merge_facts(source.checkpoint_dir, source.world_size, staged, report, options, started)
+        write_card(staged.target_dir, facts)
+        return publish(staged, target_dir, overwrite=overwrite)
     spec = load_config(
         local_dir,
         options.hf_model_config_path or default_config_dir_of(source),
@@ -109,22 +120,40 @@ def merge_model(
     report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits)
     seconds = time.monotonic() - started
     publish_report(index, plan or adapter.weights, report, saved=staged, lora=lora, seconds=seconds)
+    check_report(report, staging)
+    facts = merge_facts(index.checkpoint_dir, index.world_size, staged, report, options, started, lora=lora)
+    write_card(staged.target_dir, facts)
+    return publish(staged, target_dir, overwrite=overwrite)
+
+
+def check_report(report: ValidationReport, staging: Path) -> None:
+    """A folder that fails validation is never published: its staging directory goes too."""
     if not report.passed:
         shutil.rmtree(staging, ignore_errors=True)
         raise ValidationError(report.failure_message())
-    facts = MergeFacts(
-        source=index.checkpoint_dir,
-        step=training_step(index.checkpoint_dir),
+
+
+def merge_facts(
+    checkpoint_dir: str,
+    world_size: int,
+    staged: SavedModel,
+    report: ValidationReport,
+    options: MergeOptions,
+    started: float,
+    *,
+    lora: LoraPlan | None = None,
+) -> MergeFacts:
+    return MergeFacts(
+        source=checkpoint_dir,
+        step=training_step(checkpoint_dir),
         backend=options.backend,
-        world_size=index.world_size,
+        world_size=world_size,
         dtype=staged.dtype,
-        merge_seconds=seconds,
+        merge_seconds=time.monotonic() - started,
         validation=report.verdict(),
         lora=describe_lora(lora) if lora else None,
         base_model=options.base_model,
     )
-    write_card(staged.target_dir, facts)
-    return publish(staged, target_dir, overwrite=overwrite)
 
 
 @flow(

@@ -24,6 +24,7 @@ from mergeflow.fsdp import HF_SUBDIR
 from mergeflow.hf_config import ModelSpec, load_config
 
 DIST_CKPT_SUBDIR = "dist_ckpt"
+HF_WEIGHT_FILES = "*.safetensors"
 MODEL_SUBDIR = "model"
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 STACKED_PREFIX = "decoder.layers."
@@ -68,8 +69,15 @@ class MegatronLayout:
 
     checkpoint_dir: str
     """What the user passed (`global_step_N/actor`)."""
-    dist_ckpt_dir: str
+    dist_ckpt_dir: str | None
     hf_dir: str
+    hf_weights: bool = False
+    """`hf_dir` already holds the model's weights (verl with mbridge saves them): nothing to merge."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that wrote the archive (1 when there is none)."""
+        return _writer_ranks(Path(self.dist_ckpt_dir)) if self.dist_ckpt_dir else 1
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,8 @@ class MegatronIndex:
 
 
 def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
-    """Locate `dist_ckpt/` and `huggingface/` in either of verl's layouts.
+    """Locate `dist_ckpt/` and `huggingface/` in either of verl's layouts; a `huggingface/` that holds
+    safetensors weights (an mbridge run) is the model itself.
 
     Raises:
         CheckpointError: neither layout is there (naming the directory to pass when it is a parent).
@@ -122,6 +131,11 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
     if not local_dir.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {local_dir}")
     for base in (local_dir / MODEL_SUBDIR, local_dir):
+        if any((base / HF_SUBDIR).glob(HF_WEIGHT_FILES)):
+            dist_ckpt = base / DIST_CKPT_SUBDIR
+            return MegatronLayout(
+                str(local_dir), str(dist_ckpt) if dist_ckpt.is_dir() else None, str(base / HF_SUBDIR), hf_weights=True
+            )
         if (base / DIST_CKPT_SUBDIR).is_dir():
             dist_ckpt = base / DIST_CKPT_SUBDIR
             if not (dist_ckpt / METADATA_FILE).is_file():

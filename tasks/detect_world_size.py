@@ -14,7 +14,10 @@ def detect_world_size(local_dir: str, backend: str = "fsdp") -> RankFiles | Mega
     logger = get_run_logger()
     if backend == "megatron":
         layout = find_megatron_checkpoint(Path(local_dir))
-        logger.info("torch_dist archive %s, config in %s", layout.dist_ckpt_dir, layout.hf_dir)
+        if layout.hf_weights:
+            logger.info("%s holds Hugging Face weights already (an mbridge run)", layout.hf_dir)
+        else:
+            logger.info("torch_dist archive %s, config in %s", layout.dist_ckpt_dir, layout.hf_dir)
         return layout
     rank_files = find_rank_files(Path(local_dir))
     logger.info("world size %d: %d rank files in %s", rank_files.world_size, len(rank_files.paths), local_dir)

@@ -1,6 +1,7 @@
 """Megatron `torch_dist` checkpoints, written by real megatron-core, merge into the original HF model."""
 
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,42 @@ def test_the_engine_never_imports_megatron_core():
     assert imported.stdout.strip() == "False"
     sources = [p for folder in ("mergeflow", "tasks", "flows") for p in (REPO_ROOT / folder).rglob("*.py") if "fixtures" not in p.parts]
     assert not [p for p in sources if "import megatron" in p.read_text() or "from megatron" in p.read_text()]
+
+
+@pytest.fixture
+def mbridge_checkpoint(megatron_fixtures, tmp_path):
+    """A Megatron checkpoint as verl saves it with mbridge: the HF weights in `huggingface/`, no `dist_ckpt/`."""
+    fixture = megatron_fixtures["megatron-qwen2-tp1"]
+    checkpoint_dir = tmp_path / "run" / "global_step_1" / "actor"
+    shutil.copytree(fixture.checkpoint_dir, checkpoint_dir)
+    model_dir = checkpoint_dir / fixture.model_dir.relative_to(fixture.checkpoint_dir)
+    shutil.rmtree(model_dir / "dist_ckpt")
+    for weights in fixture.reference_dir.glob("*.safetensors"):
+        shutil.copyfile(weights, model_dir / "huggingface" / weights.name)
+    return fixture, checkpoint_dir, model_dir / "huggingface"
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_huggingface_weights_already_saved_are_copied_byte_for_byte(mbridge_checkpoint, target_dir):
+    _, checkpoint_dir, hf_dir = mbridge_checkpoint
+
+    merge_checkpoint(local_dir=str(checkpoint_dir), target_dir=str(target_dir), backend="megatron", progress=False)
+
+    copied = {path.name: path.read_bytes() for path in hf_dir.iterdir()}
+    assert {name: (target_dir / name).read_bytes() for name in copied} == copied
+    assert (target_dir / "README.md").is_file()
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_copied_model_is_validated_against_the_reference(mbridge_checkpoint, target_dir):
+    fixture, checkpoint_dir, _ = mbridge_checkpoint
+
+    saved = merge_checkpoint(
+        local_dir=str(checkpoint_dir),
+        target_dir=str(target_dir),
+        backend="megatron",
+        test_hf_dir=str(fixture.reference_dir),
+        progress=False,
+    )
+
+    assert saved.num_tensors == len(load_weights(fixture.reference_dir))
