@@ -10,6 +10,8 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 ROLES = ("actor", "critic")
 FSDP_RANK_FILE = "model_world_size_*_rank_*.pt"
 MEGATRON_ARCHIVES = ("dist_ckpt", "model/dist_ckpt")
+MBRIDGE_WEIGHTS = ("huggingface", "model/huggingface")
+"""verl's Megatron backend with mbridge saves the HF model itself there."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,12 @@ def latest_step(run_dir: Path) -> int | None:
 
 
 def backend_of(role_dir: Path) -> str | None:
-    """`fsdp` for rank files, `megatron` for a torch_dist archive, None for anything else."""
+    """`fsdp` for rank files, `megatron` for a torch_dist archive or mbridge's HF weights, None otherwise."""
     if any(role_dir.glob(FSDP_RANK_FILE)):
         return "fsdp"
     if any((role_dir / archive / ".metadata").is_file() for archive in MEGATRON_ARCHIVES):
+        return "megatron"
+    if any(any((role_dir / folder).glob("*.safetensors")) for folder in MBRIDGE_WEIGHTS):
         return "megatron"
     return None
 

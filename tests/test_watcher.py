@@ -1,10 +1,12 @@
 """The watcher announces a checkpoint once verl's tracker file names it, and only once."""
 
+import shutil
 import time
 
 import pytest
 
 from deployments.watcher import CheckpointWatcher, event_id
+from mergeflow.run_layout import TRACKER_FILE
 from tests.run_dirs import save_step
 
 WAIT_SECONDS = 10
@@ -122,3 +124,14 @@ def test_two_watchers_give_the_same_checkpoint_the_same_event_id(fixtures, run_d
 
     first, second = (event_id(*recorder.announced[0]) for recorder in recorders)
     assert first == second
+
+
+def test_megatron_checkpoints_are_announced_with_their_backend(megatron_fixtures, run_dir, tmp_path):
+    fixture = megatron_fixtures["megatron-qwen2-tp1"]
+    shutil.copytree(fixture.checkpoint_dir, run_dir / "global_step_5" / "actor")
+    (run_dir / TRACKER_FILE).write_text("5")
+    recorder = Recorder()
+
+    CheckpointWatcher(run_dir, state_file=tmp_path / "state.json", emit=recorder).scan()
+
+    assert [(c.label, c.backend) for c, _ in recorder.announced] == [("run-a/step-5/actor", "megatron")]
