@@ -156,8 +156,13 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
 
     Raises:
         PlanError: an architecture the table does not cover, or keys it cannot map.
-        CheckpointError: an unreadable archive.
+        CheckpointError: an unreadable archive, or none (the HF weights are there already: nothing to index).
     """
+    if layout.dist_ckpt_dir is None:
+        raise CheckpointError(
+            f"{layout.hf_dir} already holds the Hugging Face model and there is no dist_ckpt/ to read: "
+            f"check it with `mergeflow validate {layout.hf_dir}`"
+        )
     config = load_config(Path(spec.config_dir), trust_remote_code=spec.trust_remote_code)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise PlanError(

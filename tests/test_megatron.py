@@ -167,3 +167,11 @@ def test_copied_model_is_validated_against_the_reference(mbridge_checkpoint, tar
     )
 
     assert saved.num_tensors == len(load_weights(fixture.reference_dir))
+
+
+def test_indexing_a_checkpoint_without_dist_ckpt_points_to_validate(mbridge_checkpoint):
+    _, checkpoint_dir, hf_dir = mbridge_checkpoint
+    layout = find_megatron_checkpoint(checkpoint_dir)
+
+    with pytest.raises(CheckpointError, match=r"already holds the Hugging Face model .* `mergeflow validate"):
+        index_megatron(layout, load_model_spec(hf_dir))
