@@ -300,20 +300,15 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_watch(args: argparse.Namespace) -> int:
     import time
 
-    from deployments.watcher import CheckpointWatcher
+    from deployments.watcher import watching
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    watchers = [CheckpointWatcher(Path(run_dir)) for run_dir in args.run_dirs]
-    for watcher in watchers:
-        watcher.start()
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        for watcher in watchers:
-            watcher.stop()
+    with watching(args.run_dirs):
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

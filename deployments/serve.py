@@ -1,18 +1,18 @@
 """`mergeflow serve`: the merge deployment triggered by checkpoint events, the scheduled sweep, and the
 watchers that emit those events, served from one process against the configured Prefect server."""
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
-from deployments.watcher import EVENT_NAME, RESOURCE_PREFIX, CheckpointWatcher
+from deployments.watcher import EVENT_NAME, RESOURCE_PREFIX, watching
 from flows.merge import merge_checkpoint
 from flows.sweep import sweep_checkpoints
 from flows.task_runners import task_runner_from
+from mergeflow.planning import DEFAULT_DTYPE
 
 MERGE_DEPLOYMENT = "on-checkpoint"
 SWEEP_DEPLOYMENT = "sweep"
@@ -23,7 +23,7 @@ DEFAULT_SWEEP_INTERVAL_SECONDS = 3600
 class ServeOptions:
     run_dirs: list[str]
     output_dir: str
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE
     hf_upload_path: str | None = None
     private: bool = False
     hf_token_secret: str | None = None
@@ -32,7 +32,6 @@ class ServeOptions:
     concurrency: int = 1
     """Merges at once; more runs wait their turn."""
     task_runner: str = "threads"
-    extra_merge_parameters: dict = field(default_factory=dict)
 
 
 def checkpoint_trigger(options: ServeOptions) -> DeploymentEventTrigger:
@@ -59,7 +58,7 @@ def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
     on_checkpoint = merge_flow.to_deployment(
         name=MERGE_DEPLOYMENT,
         triggers=[checkpoint_trigger(options)],
-        parameters={"dtype": options.dtype, "progress": False, **upload, **options.extra_merge_parameters},
+        parameters={"dtype": options.dtype, "progress": False, **upload},
         concurrency_limit=limit,
         description="Merge a verl checkpoint when the watcher announces it.",
     )
@@ -76,11 +75,5 @@ def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
 
 def serve_forever(options: ServeOptions) -> None:
     """Start a watcher per run directory, then serve the deployments until interrupted."""
-    watchers = [CheckpointWatcher(Path(run_dir)) for run_dir in options.run_dirs]
-    for watcher in watchers:
-        watcher.start()
-    try:
+    with watching(options.run_dirs):
         serve(*build_deployments(options), limit=options.concurrency)
-    finally:
-        for watcher in watchers:
-            watcher.stop()

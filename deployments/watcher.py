@@ -6,12 +6,13 @@ is recorded in a state file, so a restarted watcher does not announce it again; 
 deterministic too (same checkpoint files, same id).
 """
 
+import contextlib
 import hashlib
 import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prefect.events import emit_event
@@ -19,7 +20,7 @@ from prefect.settings import get_current_settings
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from mergeflow.fingerprint import file_listing
+from mergeflow.manifest import file_listing
 from mergeflow.run_layout import TRACKER_FILE, Checkpoint, complete_checkpoints
 
 EVENT_NAME = "mergeflow.checkpoint.saved"
@@ -58,7 +59,7 @@ def announce(checkpoint: Checkpoint, version: str) -> None:
             "step": checkpoint.step,
             "role": checkpoint.role,
             "backend": checkpoint.backend,
-            "is_value_model": checkpoint.role == "critic",
+            "is_value_model": checkpoint.is_value_model,
         },
         id=event_id(checkpoint, version),
     )
@@ -134,3 +135,16 @@ class _TrackerHandler(FileSystemEventHandler):
                 self._watcher.scan()
             except Exception:
                 logger.exception("scanning %s failed", self._watcher.run_dir)
+
+
+@contextlib.contextmanager
+def watching(run_dirs: list[str]) -> Iterator[list[CheckpointWatcher]]:
+    """A started watcher per run directory, stopped on exit."""
+    watchers = [CheckpointWatcher(Path(run_dir)) for run_dir in run_dirs]
+    try:
+        for watcher in watchers:
+            watcher.start()
+        yield watchers
+    finally:
+        for watcher in watchers:
+            watcher.stop()

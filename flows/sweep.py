@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 
 from flows.merge import merge_checkpoint
 from mergeflow.errors import MergeflowError
+from mergeflow.planning import DEFAULT_DTYPE
 from mergeflow.run_layout import Checkpoint, complete_checkpoints
 
 
@@ -27,7 +28,7 @@ def _holds_files(folder: Path) -> bool:
 def sweep_checkpoints(
     run_dirs: list[str],
     output_dir: str,
-    dtype: str = "bf16",
+    dtype: str = DEFAULT_DTYPE,
     hf_upload_path: str | None = None,
     private: bool = False,
     hf_token_secret: str | None = None,
@@ -44,7 +45,7 @@ def sweep_checkpoints(
             local_dir=checkpoint.local_dir,
             target_dir=target_dir,
             backend=checkpoint.backend,
-            is_value_model=checkpoint.role == "critic",
+            is_value_model=checkpoint.is_value_model,
             dtype=dtype,
             hf_upload_path=hf_upload_path,
             private=private,

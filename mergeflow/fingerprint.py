@@ -3,12 +3,12 @@ options that change the output, the target, and the engine version."""
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow import __version__
+from mergeflow.manifest import file_listing
 
 
 @dataclass(frozen=True)
@@ -18,18 +18,6 @@ class MergeKey:
     digest: str
     files: int
     bytes: int
-
-
-def file_listing(directory: Path) -> list[tuple[str, int, int]]:
-    """Every file under `directory` as (relative path, size, mtime in ns), sorted; only `stat` is called."""
-    listing = []
-    for root, dirs, names in os.walk(directory):
-        dirs.sort()
-        for name in names:
-            path = os.path.join(root, name)
-            stat = os.stat(path)
-            listing.append((os.path.relpath(path, directory), stat.st_size, stat.st_mtime_ns))
-    return sorted(listing)
 
 
 def merge_key(

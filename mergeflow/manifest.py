@@ -32,6 +32,18 @@ class SavedModel:
     adapter_dir: str | None = None
 
 
+def file_listing(directory: Path) -> list[tuple[str, int, int]]:
+    """Every file under `directory` as (relative path, size, mtime in ns), sorted; only `stat` is called."""
+    listing = []
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in names:
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            listing.append((os.path.relpath(path, directory), stat.st_size, stat.st_mtime_ns))
+    return sorted(listing)
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
@@ -42,30 +54,14 @@ def sha256_of(path: Path) -> str:
 
 def describe_files(folder: Path, known_sha256: dict[str, str]) -> tuple[OutputFile, ...]:
     """Every file under `folder`, hashing those whose digest `known_sha256` (by relative path) does not give."""
-    described = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        name = str(path.relative_to(folder))
-        stat = path.stat()
-        sha256 = known_sha256.get(name) or sha256_of(path)
-        described.append(OutputFile(name, stat.st_size, sha256, stat.st_mtime_ns))
-    return tuple(described)
+    return tuple(
+        OutputFile(name, size, known_sha256.get(name) or sha256_of(Path(folder) / name), mtime_ns)
+        for name, size, mtime_ns in file_listing(Path(folder))
+    )
 
 
 def output_intact(saved: SavedModel) -> bool:
     """Whether `saved.target_dir` holds exactly the files the manifest lists, unchanged (by size and mtime)."""
     folder = Path(saved.target_dir)
-    if not folder.is_dir():
-        return False
-    expected = {f.name: f for f in saved.files}
-    found = 0
-    for root, _, names in os.walk(folder):
-        for name in names:
-            relative = os.path.relpath(os.path.join(root, name), folder)
-            record = expected.get(relative)
-            if record is None:
-                return False
-            stat = os.stat(os.path.join(root, name))
-            if (stat.st_size, stat.st_mtime_ns) != (record.size, record.mtime_ns):
-                return False
-            found += 1
-    return found == len(expected)
+    recorded = sorted((file.name, file.size, file.mtime_ns) for file in saved.files)
+    return folder.is_dir() and file_listing(folder) == recorded

@@ -7,6 +7,7 @@ comparison never holds a whole model. `completeness_problems` checks what a merg
 import json
 import math
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,20 @@ def open_model_folder(model_dir: Path) -> SafetensorsFolder | TorchBinFolder:
     if any(model_dir.glob("pytorch_model*.bin")):
         return TorchBinFolder(model_dir)
     raise CheckpointError(f"no weights in {model_dir}: expected *.safetensors or pytorch_model*.bin files")
+
+
+def nbytes(info: TensorInfo) -> int:
+    return math.prod(info.shape) * info.dtype.itemsize
+
+
+def dominant_floating_dtype(folder: "SafetensorsFolder | TorchBinFolder") -> torch.dtype | None:
+    """The floating dtype holding most of a folder's bytes, or None when it has no floating tensors."""
+    by_dtype: Counter = Counter()
+    for name in folder.names():
+        info = folder.info(name)
+        if info.dtype.is_floating_point:
+            by_dtype[info.dtype] += nbytes(info)
+    return by_dtype.most_common(1)[0][0] if by_dtype else None
 
 
 def _weight_files(model_dir: Path, index_name: str, single_name: str, pattern: str) -> list[str]:
@@ -218,7 +233,7 @@ def model_problems(model_dir: Path) -> list[str]:
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        total += sum(_nbytes(info) for info in held.values())
+        total += sum(nbytes(info) for info in held.values())
         if weight_map is not None:
             expected = {name for name, file in weight_map.items() if file == filename}
             missing, extra = sorted(expected - held.keys()), sorted(held.keys() - expected)
@@ -237,7 +252,3 @@ def model_problems(model_dir: Path) -> list[str]:
                 f"{SAFETENSORS_INDEX} says total_size={declared}, the files hold {total} bytes of tensors"
             )
     return problems
-
-
-def _nbytes(info: TensorInfo) -> int:
-    return math.prod(info.shape) * info.dtype.itemsize

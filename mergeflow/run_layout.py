@@ -5,13 +5,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mergeflow import fsdp
+from mergeflow.errors import CheckpointError
+from mergeflow.megatron import find_megatron_checkpoint
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 ROLES = ("actor", "critic")
-FSDP_RANK_FILE = "model_world_size_*_rank_*.pt"
-MEGATRON_ARCHIVES = ("dist_ckpt", "model/dist_ckpt")
-MBRIDGE_WEIGHTS = ("huggingface", "model/huggingface")
-"""verl's Megatron backend with mbridge saves the HF model itself there."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,11 @@ class Checkpoint:
     @property
     def local_dir(self) -> str:
         return str(Path(self.run_dir) / f"global_step_{self.step}" / self.role)
+
+    @property
+    def is_value_model(self) -> bool:
+        """verl's critic is a value model."""
+        return self.role == "critic"
 
     @property
     def label(self) -> str:
@@ -47,14 +52,15 @@ def latest_step(run_dir: Path) -> int | None:
 
 
 def backend_of(role_dir: Path) -> str | None:
-    """`fsdp` for rank files, `megatron` for a torch_dist archive or mbridge's HF weights, None otherwise."""
-    if any(role_dir.glob(FSDP_RANK_FILE)):
+    """`fsdp` for rank files, `megatron` for what the Megatron backend reads (a torch_dist archive, or
+    mbridge's HF weights), None otherwise."""
+    if fsdp.detect(role_dir):
         return "fsdp"
-    if any((role_dir / archive / ".metadata").is_file() for archive in MEGATRON_ARCHIVES):
-        return "megatron"
-    if any(any((role_dir / folder).glob("*.safetensors")) for folder in MBRIDGE_WEIGHTS):
-        return "megatron"
-    return None
+    try:
+        find_megatron_checkpoint(role_dir)
+    except CheckpointError:
+        return None
+    return "megatron"
 
 
 def checkpoints_of_step(run_dir: Path, step: int) -> list[Checkpoint]:

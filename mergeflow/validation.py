@@ -8,7 +8,6 @@ model's dtype, because kernels may differ with memory alignment in the last bits
 """
 
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +18,13 @@ from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
 from mergeflow.hf_config import CONFIG_FILE, load_model_spec
 from mergeflow.lora import ADAPTER_SUBDIR
-from mergeflow.model_folder import SafetensorsFolder, TensorInfo, completeness_problems, open_model_folder
+from mergeflow.model_folder import (
+    SafetensorsFolder,
+    TensorInfo,
+    completeness_problems,
+    dominant_floating_dtype,
+    open_model_folder,
+)
 from mergeflow.streaming import CHUNK_BYTES, row_ranges
 
 LOGITS_TOLERANCES: dict[torch.dtype, float] = {
@@ -231,14 +236,5 @@ def compare_logits(model_dir: Path, reference_dir: Path) -> LogitsCheck:
 
 def reference_dtype_choice(reference_dir: Path) -> str:
     """The `--dtype` choice matching the reference's floating tensors (by bytes), for `mergeflow test`."""
-    reference = open_model_folder(Path(reference_dir))
-    by_dtype: Counter = Counter()
-    for name in reference.names():
-        info = reference.info(name)
-        if info.dtype.is_floating_point:
-            count = 1
-            for size in info.shape:
-                count *= size
-            by_dtype[info.dtype] += count * info.dtype.itemsize
-    dominant = by_dtype.most_common(1)[0][0] if by_dtype else torch.float32
+    dominant = dominant_floating_dtype(open_model_folder(Path(reference_dir))) or torch.float32
     return next((choice for choice, dtype in DTYPE_CHOICES.items() if dtype == dominant), "keep")
