@@ -157,22 +157,18 @@ def load_chunk(checkpoint_dir: Path, tensor: StoredTensor, chunk: Chunk) -> torc
     return value
 
 
-def read_region(checkpoint_dir: Path, tensor: StoredTensor, first: int, count: int) -> torch.Tensor:
-    """Entries `[first, first + count)` along dim 0 of the global tensor, assembled from its chunks."""
-    out = torch.empty((count, *tensor.shape[1:]), dtype=tensor.dtype)
+def read_slice(checkpoint_dir: Path, tensor: StoredTensor, leading: tuple[int, ...] = ()) -> torch.Tensor:
+    """`tensor[leading]`, the sub-tensor at fixed indices of its first dims (one layer, one expert, or all
+    of it with none), assembled from the chunks that hold it."""
+    depth = len(leading)
+    out = torch.empty(tensor.shape[depth:], dtype=tensor.dtype)
     for chunk in tensor.chunks:
-        low, high = max(first, chunk.offsets[0]), min(first + count, chunk.offsets[0] + chunk.sizes[0])
-        if low >= high:
+        spans = zip(leading, chunk.offsets, chunk.sizes, strict=False)
+        if not all(offset <= index < offset + size for index, offset, size in spans):
             continue
-        value = load_chunk(checkpoint_dir, tensor, chunk)[low - chunk.offsets[0] : high - chunk.offsets[0]]
-        target = out[low - first : high - first]
-        for dim in range(1, len(tensor.shape)):
-            target = target.narrow(dim, chunk.offsets[dim], chunk.sizes[dim])
+        value = load_chunk(checkpoint_dir, tensor, chunk)[tuple(i - o for i, o in zip(leading, chunk.offsets, strict=False))]
+        target = out
+        for dim in range(depth, len(tensor.shape)):
+            target = target.narrow(dim - depth, chunk.offsets[dim], chunk.sizes[dim])
         target.copy_(value)
     return out
-
-
-def read_whole(checkpoint_dir: Path, tensor: StoredTensor) -> torch.Tensor:
-    if not tensor.shape:
-        return load_chunk(checkpoint_dir, tensor, tensor.chunks[0]).clone()
-    return read_region(checkpoint_dir, tensor, 0, tensor.shape[0])

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers.core_model_loading import revert_weight_conversion
 
 from mergeflow.errors import CheckpointError
 
@@ -37,6 +38,9 @@ class ModelSpec:
     trust_remote_code: bool
     expected_shapes: dict[str, tuple[int, ...]]
     """Every tensor the model's state dict holds, tied aliases excluded."""
+    saved_shapes: dict[str, tuple[int, ...]]
+    """The same tensors under the names `save_pretrained` writes, where transformers converts them on load
+    (MoE experts are one fused tensor in memory but one tensor per expert on disk)."""
     tied: dict[str, str]
     """Tied aliases (not written) mapped to the tensor they share, e.g. lm_head.weight -> embed_tokens."""
     can_generate: bool
@@ -72,13 +76,15 @@ def load_model_spec(
             f"--tie-word-embedding contradicts {config_dir / CONFIG_FILE}, which does not tie the word embeddings; "
             "drop the flag (the config decides, so that lm_head is never dropped by mistake)"
         )
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
+    state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+    expected = {name: tuple(tensor.shape) for name, tensor in state.items()}
     return ModelSpec(
         config_dir=str(config_dir),
         architecture=architecture,
         model_class=model_class,
         trust_remote_code=trust_remote_code,
         expected_shapes=expected,
+        saved_shapes=_saved_shapes(model, state) or expected,
         tied=tied,
         can_generate=bool(model.can_generate()),
         is_value_model=architecture.endswith(VALUE_MODEL_SUFFIX),
@@ -155,6 +161,12 @@ def _meta_model(model_class: str, config: PretrainedConfig, trust_remote_code: b
             return cls(config)
     except Exception as e:
         raise CheckpointError(f"cannot build {model_class} from {config_dir / CONFIG_FILE}: {e}") from e
+
+
+def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the state dict as `save_pretrained` writes it, by transformers' own reverse conversion."""
+    saved = revert_weight_conversion(model, dict(state))
+    return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
 
 def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:

@@ -3,12 +3,17 @@ mapped onto Hugging Face names without megatron-core or a GPU.
 
 Layouts verl has written: `actor/model/dist_ckpt/` + `actor/model/huggingface/` (current) and
 `actor/dist_ckpt/` + `actor/huggingface/` (2025). The archive holds every tensor with its global
-shape, layers stacked along a leading axis (`decoder.layers.self_attention.linear_qkv.weight` is
-`(num_layers, rows, hidden)`); `HF_FROM_MEGATRON` maps each key to its Hugging Face tensors, and the
-fused ones (QKV per query group, gate|up) are split by small named functions. A key the table does
-not know is an error that names it, never a dropped tensor.
+shape. Layers are stacked along a leading axis (`decoder.layers.self_attention.linear_qkv.weight` is
+`(num_layers, rows, hidden)`) or, in models whose layers differ (dense and MoE), stored one key per
+layer (`decoder.layers.3.…`); MoE experts likewise sit on an axis of their own
+(`….mlp.experts.experts.linear_fc1.weight`) or one key per expert (`….experts.experts.7.…`, with the
+gate and up halves of fc1 stored apart as `weight_w`/`weight_v`). `HF_FROM_MEGATRON` and the MoE
+tables map each key to its Hugging Face tensors, as `save_pretrained` names them (one tensor per
+expert), and the fused ones (QKV per query group, gate|up) are split by small named functions. A key
+the tables do not know is an error that names it, never a dropped tensor.
 """
 
+import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.dcp import METADATA_FILE, StoredTensor, read_metadata, read_region, read_whole
+from mergeflow.dcp import METADATA_FILE, StoredTensor, read_metadata, read_slice
 from mergeflow.dtypes import dtype_name, parse_dtype_name
 from mergeflow.errors import CheckpointError, PlanError, quoted
 from mergeflow.fsdp import HF_SUBDIR
@@ -26,9 +31,12 @@ from mergeflow.hf_config import ModelSpec, load_config
 DIST_CKPT_SUBDIR = "dist_ckpt"
 HF_WEIGHT_FILES = "*.safetensors"
 MODEL_SUBDIR = "model"
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
-STACKED_PREFIX = "decoder.layers."
-LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
+"""A decoder-layer key: stacked (no index, layers on the first axis) or one layer's (`decoder.layers.3.`)."""
+EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
+"""Routed experts: on an axis of their own (no index) or one key per expert (`.experts.experts.7.`)."""
+GLU_HALF = re.compile(r"^(.+)_([wv])$")
+"""fc1 stored as its gate (`_w`) and up (`_v`) halves, as megatron-core writes singleton shards."""
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 COPY, VOCAB, Q, K, V, GATE, UP = "copy", "vocab", "q", "k", "v", "gate", "up"
@@ -36,29 +44,69 @@ HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
     "embedding.word_embeddings.weight": [("model.embed_tokens.weight", VOCAB)],
     "decoder.final_layernorm.weight": [("model.norm.weight", COPY)],
     "output_layer.weight": [("lm_head.weight", VOCAB)],
-    "decoder.layers.{}.self_attention.linear_qkv.layer_norm_weight": [("model.layers.{}.input_layernorm.weight", COPY)],
-    "decoder.layers.{}.input_layernorm.weight": [("model.layers.{}.input_layernorm.weight", COPY)],
-    "decoder.layers.{}.self_attention.linear_qkv.weight": [
-        ("model.layers.{}.self_attn.q_proj.weight", Q),
-        ("model.layers.{}.self_attn.k_proj.weight", K),
-        ("model.layers.{}.self_attn.v_proj.weight", V),
+    "decoder.layers.{layer}.self_attention.linear_qkv.layer_norm_weight": [
+        ("model.layers.{layer}.input_layernorm.weight", COPY)
     ],
-    "decoder.layers.{}.self_attention.linear_qkv.bias": [
-        ("model.layers.{}.self_attn.q_proj.bias", Q),
-        ("model.layers.{}.self_attn.k_proj.bias", K),
-        ("model.layers.{}.self_attn.v_proj.bias", V),
+    "decoder.layers.{layer}.input_layernorm.weight": [("model.layers.{layer}.input_layernorm.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_qkv.weight": [
+        ("model.layers.{layer}.self_attn.q_proj.weight", Q),
+        ("model.layers.{layer}.self_attn.k_proj.weight", K),
+        ("model.layers.{layer}.self_attn.v_proj.weight", V),
     ],
-    "decoder.layers.{}.self_attention.q_layernorm.weight": [("model.layers.{}.self_attn.q_norm.weight", COPY)],
-    "decoder.layers.{}.self_attention.k_layernorm.weight": [("model.layers.{}.self_attn.k_norm.weight", COPY)],
-    "decoder.layers.{}.self_attention.linear_proj.weight": [("model.layers.{}.self_attn.o_proj.weight", COPY)],
-    "decoder.layers.{}.mlp.linear_fc1.layer_norm_weight": [("model.layers.{}.post_attention_layernorm.weight", COPY)],
-    "decoder.layers.{}.pre_mlp_layernorm.weight": [("model.layers.{}.post_attention_layernorm.weight", COPY)],
-    "decoder.layers.{}.mlp.linear_fc1.weight": [
-        ("model.layers.{}.mlp.gate_proj.weight", GATE),
-        ("model.layers.{}.mlp.up_proj.weight", UP),
+    "decoder.layers.{layer}.self_attention.linear_qkv.bias": [
+        ("model.layers.{layer}.self_attn.q_proj.bias", Q),
+        ("model.layers.{layer}.self_attn.k_proj.bias", K),
+        ("model.layers.{layer}.self_attn.v_proj.bias", V),
     ],
-    "decoder.layers.{}.mlp.linear_fc2.weight": [("model.layers.{}.mlp.down_proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.q_layernorm.weight": [("model.layers.{layer}.self_attn.q_norm.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.k_layernorm.weight": [("model.layers.{layer}.self_attn.k_norm.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_proj.weight": [("model.layers.{layer}.self_attn.o_proj.weight", COPY)],
+    "decoder.layers.{layer}.mlp.linear_fc1.layer_norm_weight": [
+        ("model.layers.{layer}.post_attention_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.pre_mlp_layernorm.weight": [("model.layers.{layer}.post_attention_layernorm.weight", COPY)],
+    "decoder.layers.{layer}.mlp.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.linear_fc2.weight": [("model.layers.{layer}.mlp.down_proj.weight", COPY)],
 }
+"""Dense decoders (Llama, Mistral, Qwen2, Qwen3), and the attention and norms of every model."""
+
+QWEN_MOE: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.mlp.gate.weight", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": [
+        ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.shared_expert.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.shared_expert.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight": [
+        ("model.layers.{layer}.mlp.shared_expert.down_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.gate_weight": [("model.layers.{layer}.mlp.shared_expert_gate.weight", COPY)],
+}
+"""Qwen2-MoE (shared expert and its sigmoid gate) and Qwen3-MoE (routed experts only)."""
+
+MIXTRAL_MOE: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.block_sparse_moe.gate.weight", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": [
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight", GATE),
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": [
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight", COPY)
+    ],
+}
+
+MOE_BY_MODEL_TYPE = {"qwen2_moe": QWEN_MOE, "qwen3_moe": QWEN_MOE, "mixtral": MIXTRAL_MOE}
+DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | MOE_BY_MODEL_TYPE.keys()
 VALUE_HEAD = ("score.weight", COPY)
 """A value model's `output_layer` (one output) is its `score` head."""
 
@@ -89,6 +137,7 @@ class Geometry:
     num_query_groups: int
     head_dim: int
     vocab_size: int
+    num_experts: int
 
 
 @dataclass(frozen=True)
@@ -99,7 +148,8 @@ class MegatronTensor:
     dtype: str
     shape: tuple[int, ...]
     key: str
-    layer: int | None
+    leading: tuple[int, ...]
+    """Indices into the stored tensor's stacked axes (layer, expert) that select this tensor's source."""
     part: str
 
 
@@ -155,7 +205,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     """Every Hugging Face tensor the checkpoint holds, with its shape, from `.metadata` and the config.
 
     Raises:
-        PlanError: an architecture the table does not cover, or keys it cannot map.
+        PlanError: an architecture the tables do not cover, or keys they cannot map.
         CheckpointError: an unreadable archive, or none (the HF weights are there already: nothing to index).
     """
     if layout.dist_ckpt_dir is None:
@@ -169,33 +219,28 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
             f'unknown architecture for the Megatron backend: model_type "{config.model_type}" '
             f"({spec.architecture}) in {spec.config_dir}/config.json; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    geometry = Geometry(
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        vocab_size=config.vocab_size,
-    )
+    geometry = _geometry(config)
+    table = mapping_table(config.model_type)
     stored = read_metadata(Path(layout.dist_ckpt_dir))
     tensors: dict[str, MegatronTensor] = {}
     unmapped = []
     for key, entry in stored.items():
-        template, layers = _template(key, entry, geometry)
-        targets = HF_FROM_MEGATRON.get(template)
+        template, placements = _locate(key, entry, geometry)
+        targets = _targets(template, table)
         if template == "output_layer.weight" and spec.is_value_model:
             targets = [VALUE_HEAD]
         if targets is None:
             unmapped.append(key)
             continue
-        for layer in layers:
+        for leading, fields in placements:
             for name_template, part in targets:
-                name = name_template.format(layer) if layer is not None else name_template
-                shape = _part_shape(part, _layer_shape(entry, key), geometry, key)
-                tensors[name] = MegatronTensor(name, dtype_name(entry.dtype), shape, key, layer, part)
+                name = name_template.format(**fields)
+                shape = _part_shape(part, entry.shape[len(leading) :], geometry, key)
+                tensors[name] = MegatronTensor(name, dtype_name(entry.dtype), shape, key, leading, part)
     if unmapped:
         raise PlanError(
             f"unmapped key(s) for {config.model_type} in {layout.dist_ckpt_dir}: {quoted(unmapped)}. "
-            "Add them to HF_FROM_MEGATRON in mergeflow/megatron.py."
+            "Add them to HF_FROM_MEGATRON (or MOE_BY_MODEL_TYPE for experts) in mergeflow/megatron.py."
         )
     tensor_parallel = _tensor_parallel(stored)
     return MegatronIndex(
@@ -212,20 +257,67 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     )
 
 
-def _template(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list[int | None]]:
-    """The table key for a stored key, and the layers it holds (None for tensors outside the layers)."""
-    per_layer = LAYER_KEY.match(key)
-    if per_layer:
-        return f"decoder.layers.{{}}.{per_layer[2]}", [int(per_layer[1])]
-    if key.startswith(STACKED_PREFIX):
-        if not entry.shape or entry.shape[0] != geometry.num_layers:
-            raise PlanError(f"{key} has shape {entry.shape}: expected {geometry.num_layers} stacked layers first")
-        return f"decoder.layers.{{}}.{key.removeprefix(STACKED_PREFIX)}", list(range(geometry.num_layers))
-    return key, [None]
+def mapping_table(model_type: str) -> dict[str, list[tuple[str, str]]]:
+    """mcore key template -> the HF tensors it holds, for one model type."""
+    return {**HF_FROM_MEGATRON, **MOE_BY_MODEL_TYPE.get(model_type, {})}
 
 
-def _layer_shape(entry: StoredTensor, key: str) -> tuple[int, ...]:
-    return entry.shape[1:] if key.startswith(STACKED_PREFIX) and not LAYER_KEY.match(key) else entry.shape
+def _geometry(config) -> Geometry:
+    return Geometry(
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        num_experts=getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0,
+    )
+
+
+def _targets(template: str, table: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]] | None:
+    """The HF tensors of a key template; a `_w`/`_v` half of a fused gate|up is its gate or up tensor."""
+    if template in table:
+        return table[template]
+    half = GLU_HALF.match(template)
+    fused = table.get(half[1]) if half else None
+    if fused is None or [part for _, part in fused] != [GATE, UP]:
+        return None
+    gate, up = fused
+    return [(gate[0] if half[2] == "w" else up[0], COPY)]
+
+
+def _locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list[tuple[tuple[int, ...], dict[str, int]]]]:
+    """The table template of a stored key, and each (layer, expert) it holds: the indices into its stacked
+    axes and the fields that name the HF tensor.
+
+    Raises:
+        PlanError: a stacked axis whose length is not the config's number of layers or experts.
+    """
+    layers = LAYERS.match(key)
+    if layers is None:
+        return key, [((), {})]
+    rest = key[layers.end() :]
+    fields: dict[str, int] = {}
+    stacked: list[tuple[str, int]] = []
+    if layers[1] is not None:
+        fields["layer"] = int(layers[1])
+    else:
+        stacked.append(("layer", geometry.num_layers))
+    experts = EXPERTS.search(rest)
+    if experts:
+        rest = f"{rest[: experts.start()]}.experts.{{expert}}.{rest[experts.end() :]}"
+        if experts[1] is not None:
+            fields["expert"] = int(experts[1])
+        else:
+            stacked.append(("expert", geometry.num_experts))
+    expected = tuple(size for _, size in stacked)
+    if entry.shape[: len(stacked)] != expected:
+        axes = " x ".join(f"{size} {axis}s" for axis, size in stacked)
+        raise PlanError(f"{key} has shape {entry.shape}: expected {axes} first, as the config says")
+    placements = [
+        (leading, {**fields, **{axis: index for (axis, _), index in zip(stacked, leading, strict=True)}})
+        for leading in itertools.product(*(range(size) for size in expected))
+    ]
+    return f"decoder.layers.{{layer}}.{rest}", placements
 
 
 def _part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) -> tuple[int, ...]:
@@ -253,11 +345,11 @@ def _writer_ranks(dist_ckpt_dir: Path) -> int:
 
 
 def _tensor_parallel(stored: dict[str, StoredTensor]) -> int | None:
-    """TP size, from how the first layer of the attention output projection is split (by input columns)."""
-    entry = stored.get("decoder.layers.self_attention.linear_proj.weight")
-    if entry is None:
+    """TP size, from how one layer's attention output projection is split (by input columns)."""
+    key = next((key for key in sorted(stored) if key.endswith("self_attention.linear_proj.weight")), None)
+    if key is None:
         return None
-    return sum(1 for chunk in entry.chunks if chunk.offsets[0] == 0)
+    return sum(1 for chunk in stored[key].chunks if not any(chunk.offsets[:-1]))
 
 
 def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tensor:
@@ -276,31 +368,29 @@ def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tens
 
 
 class MegatronTensors:
-    """Reads planned tensors out of the archive, one stored layer at a time (the last few kept, so the
-    three parts of a fused QKV cost one read)."""
+    """Reads planned tensors out of the archive, one stored layer (or expert) at a time, the last few kept
+    so that the parts of a fused tensor (QKV, gate|up) cost one read."""
 
-    CACHED_LAYERS = 4
+    CACHED_SLICES = 4
 
     def __init__(self, index: MegatronIndex):
         self._index = index
-        self._cache: OrderedDict[tuple[str, int | None], torch.Tensor] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, tuple[int, ...]], torch.Tensor] = OrderedDict()
 
-    def _layer(self, key: str, layer: int | None) -> torch.Tensor:
-        cached = self._cache.get((key, layer))
+    def _stored(self, key: str, leading: tuple[int, ...]) -> torch.Tensor:
+        cached = self._cache.get((key, leading))
         if cached is not None:
-            self._cache.move_to_end((key, layer))
+            self._cache.move_to_end((key, leading))
             return cached
-        entry = self._index.stored[key]
-        directory = Path(self._index.dist_ckpt_dir)
-        value = read_region(directory, entry, layer, 1)[0] if layer is not None and not LAYER_KEY.match(key) else read_whole(directory, entry)
-        self._cache[key, layer] = value
-        if len(self._cache) > self.CACHED_LAYERS:
+        value = read_slice(Path(self._index.dist_ckpt_dir), self._index.stored[key], leading)
+        self._cache[key, leading] = value
+        if len(self._cache) > self.CACHED_SLICES:
             self._cache.popitem(last=False)
         return value
 
     def whole(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         tensor = self._index.tensors[name]
-        return split_part(self._layer(tensor.key, tensor.layer), tensor.part, self._index.geometry).to(dtype)
+        return split_part(self._stored(tensor.key, tensor.leading), tensor.part, self._index.geometry).to(dtype)
 
     def chunks(self, output, chunk_bytes: int) -> Iterator[torch.Tensor]:
         value = self.whole(output.source, parse_dtype_name(output.dtype)).contiguous()

@@ -109,7 +109,7 @@ def plan_merge(
         total_size=int(split.metadata["total_size"]),
         config_dtype=_config_dtype(tensors.values()) if dtype == KEEP else dtype_name(DTYPE_CHOICES[dtype]),
         dropped_aliases=dropped,
-        unexpected=tuple(name for name in kept if name not in spec.expected_shapes),
+        unexpected=tuple(name for name in kept if name not in expected_shapes(spec, kept)),
     )
 
 
@@ -149,18 +149,27 @@ def _check_dtype(dtype: str) -> None:
         raise OptionError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPE_CHOICES)}")
 
 
+def expected_shapes(spec: ModelSpec, names) -> dict[str, tuple[int, ...]]:
+    """The config's tensors under the naming the checkpoint uses: as in memory (FSDP state dicts) or as
+    `save_pretrained` writes them (Megatron merges write per-expert MoE tensors)."""
+    names = set(names)
+    in_memory, saved = spec.expected_shapes, spec.saved_shapes
+    return saved if len(names & saved.keys()) > len(names & in_memory.keys()) else in_memory
+
+
 def _check_against_config(kept: dict[str, SourceTensor], spec: ModelSpec, checkpoint_dir: str) -> None:
     config_path = f"{spec.config_dir}/config.json"
-    missing = [name for name in spec.expected_shapes if name not in kept]
+    expected = expected_shapes(spec, kept)
+    missing = [name for name in expected if name not in kept]
     if missing:
         raise PlanError(
             f"checkpoint {checkpoint_dir} lacks tensor(s) that {spec.model_class} from {config_path} needs: "
             f"{_listed(missing)}"
         )
     mismatches = [
-        f"{name}: got {source.shape}, expected {spec.expected_shapes[name]}"
+        f"{name}: got {source.shape}, expected {expected[name]}"
         for name, source in kept.items()
-        if name in spec.expected_shapes and source.shape != spec.expected_shapes[name]
+        if name in expected and source.shape != expected[name]
     ]
     if mismatches:
         raise PlanError(

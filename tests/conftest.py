@@ -86,6 +86,9 @@ MEGATRON_FIXTURE_SPECS = [
     MegatronFixtureSpec("megatron-llama-tied-tp2", model="llama", tp=2, tie=True),
     MegatronFixtureSpec("megatron-qwen3-pp2-2025-layout", model="qwen3", pp=2, layout="2025"),
     MegatronFixtureSpec("megatron-qwen2-tied-tp2-pp2", tp=2, pp=2, tie=True),
+    MegatronFixtureSpec("megatron-qwen2moe-ep2", model="qwen2_moe", ep=2),
+    MegatronFixtureSpec("megatron-qwen3moe-tp2", model="qwen3_moe", tp=2),
+    MegatronFixtureSpec("megatron-mixtral-ep2-singleton-shards", model="mixtral", ep=2, singleton_shards=True),
 ]
 MEGATRON_FIXTURE_NAMES = [spec.name for spec in MEGATRON_FIXTURE_SPECS]
 

@@ -1,5 +1,6 @@
 """Megatron `torch_dist` checkpoints, written by real megatron-core, merge into the original HF model."""
 
+import json
 import pickle
 import shutil
 import subprocess
@@ -18,10 +19,13 @@ from mergeflow.megatron import find_megatron_checkpoint, index_megatron
 from mergeflow.planning import plan_merge
 from mergeflow.save import save_model
 from mergeflow.validation import validate_model_dir
-from tests.conftest import MEGATRON_FIXTURE_NAMES
+from mergeflow.fixtures.megatron import LOGITS_INPUT_IDS
+from tests.conftest import MEGATRON_FIXTURE_NAMES, MEGATRON_FIXTURE_SPECS
 from tests.merging import load_weights, logits, model_class
 
 REPO_ROOT = Path(__file__).parent.parent
+WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1]
+MOE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral")]
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +58,21 @@ def test_merged_model_gives_the_original_logits(megatron_fixtures, merged_megatr
     assert torch.equal(logits(merged_megatron(name), torch.float32), logits(megatron_fixtures[name].reference_dir, torch.float32))
 
 
+@pytest.mark.parametrize("name", WITHOUT_PIPELINE)
+def test_merged_model_gives_megatron_cores_own_logits(megatron_fixtures, merged_megatron, name):
+    model = model_class(merged_megatron(name)).from_pretrained(merged_megatron(name), dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged = model(torch.tensor(LOGITS_INPUT_IDS)).logits
+    mcore = torch.load(megatron_fixtures[name].mcore_logits_file, weights_only=True)
+
+    torch.testing.assert_close(merged, mcore, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_experts_are_written_one_tensor_each_under_the_names_save_pretrained_uses(megatron_fixtures, merged_megatron, name):
+    assert load_weights(merged_megatron(name)).keys() == load_weights(megatron_fixtures[name].reference_dir).keys()
+
+
 def test_tied_output_layer_is_not_written_and_untied_is(merged_megatron):
     assert "lm_head.weight" not in load_weights(merged_megatron("megatron-llama-tied-tp2"))
     assert "lm_head.weight" in load_weights(merged_megatron("megatron-qwen2-tp1"))
@@ -79,12 +98,34 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
 
 def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
     table = dict(mergeflow.megatron.HF_FROM_MEGATRON)
-    del table["decoder.layers.{}.mlp.linear_fc2.weight"]
+    del table["decoder.layers.{layer}.mlp.linear_fc2.weight"]
     monkeypatch.setattr(mergeflow.megatron, "HF_FROM_MEGATRON", table)
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir)
 
     with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2 .*"decoder.layers.mlp.linear_fc2.weight"'):
         index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
+
+
+def test_an_unmapped_expert_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
+    moe_table = dict(mergeflow.megatron.QWEN_MOE)
+    del moe_table["decoder.layers.{layer}.mlp.shared_experts.gate_weight"]
+    monkeypatch.setitem(mergeflow.megatron.MOE_BY_MODEL_TYPE, "qwen2_moe", moe_table)
+    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2moe-ep2"].checkpoint_dir)
+
+    with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2_moe .*"decoder.layers.1.mlp.shared_experts.gate_weight"'):
+        index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
+
+
+def test_an_expert_axis_longer_or_shorter_than_the_config_says_is_an_error(megatron_fixtures, tmp_path):
+    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen3moe-tp2"].checkpoint_dir)
+    config = tmp_path / "config"
+    shutil.copytree(layout.hf_dir, config)
+    settings = json.loads((config / "config.json").read_text())
+    settings["num_local_experts" if "num_local_experts" in settings else "num_experts"] = 8
+    (config / "config.json").write_text(json.dumps(settings))
+
+    with pytest.raises(PlanError, match=r"experts.linear_fc1.weight has shape \(2, 4, .*expected 2 layers x 8 experts first"):
+        index_megatron(layout, load_model_spec(config))
 
 
 def test_an_unknown_architecture_is_an_error_that_names_it(megatron_fixtures, tmp_path):

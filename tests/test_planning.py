@@ -19,7 +19,7 @@ def index_of(shapes: dict[str, tuple[int, ...]], dtype: str = "float32") -> Shar
 
 def spec_of(shapes: dict[str, tuple[int, ...]], tied: dict[str, str] | None = None) -> ModelSpec:
     return ModelSpec(
-        "/ckpt/huggingface", "TinyForCausalLM", "TinyForCausalLM", False, shapes, tied or {}, True, False
+        "/ckpt/huggingface", "TinyForCausalLM", "TinyForCausalLM", False, shapes, shapes, tied or {}, True, False
     )
 
 
