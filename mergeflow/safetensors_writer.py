@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,8 @@ class AlignedFile:
 
     Full buffers go out as aligned direct writes; the last, partial block is padded and the file is
     truncated to its exact size. Where O_DIRECT is refused (tmpfs, some network filesystems) the
-    same writes are buffered.
+    same writes are buffered. Each buffer is hashed (SHA-256) on a second thread while it is being
+    written, so the digest costs no time while the disk is the bottleneck.
     """
 
     def __init__(self, path: Path, buffer_bytes: int = WRITE_BUFFER_BYTES):
@@ -79,6 +81,7 @@ class AlignedFile:
         self._filled = 0
         self.size = 0
         self._digest = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergeflow-sha256")
 
     @property
     def sha256(self) -> str:
@@ -87,7 +90,6 @@ class AlignedFile:
 
     def write(self, data: memoryview) -> None:
         data = data.cast("B")
-        self._digest.update(data)
         position = 0
         while position < len(data):
             count = min(len(data) - position, len(self._view) - self._filled)
@@ -98,15 +100,21 @@ class AlignedFile:
                 self._flush(self._filled)
         self.size += len(data)
 
-    def _flush(self, count: int) -> None:
-        written = 0
-        while written < count:
-            try:
-                written += os.write(self._fd, self._view[written:count])
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                self._stop_direct_io()
+    def _flush(self, count: int, data_bytes: int | None = None) -> None:
+        """Write the buffer's first `count` bytes, hashing its first `data_bytes` (all of them but the
+        padding) meanwhile; the buffer is free again once both are done."""
+        hashing = self._hasher.submit(self._digest.update, self._view[: count if data_bytes is None else data_bytes])
+        try:
+            written = 0
+            while written < count:
+                try:
+                    written += os.write(self._fd, self._view[written:count])
+                except OSError as e:
+                    if e.errno != errno.EINVAL or not self.direct:
+                        raise
+                    self._stop_direct_io()
+        finally:
+            hashing.result()
         self._filled = 0
 
     def _stop_direct_io(self) -> None:
@@ -119,14 +127,13 @@ class AlignedFile:
             tail = self._filled
             padded = -(-tail // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if self.direct else tail
             self._view[tail:padded] = bytes(padded - tail)
-            self._flush(padded)
+            self._flush(padded, data_bytes=tail)
             os.ftruncate(self._fd, self.size)
         finally:
-            os.close(self._fd)
-            self._view.release()
-            self._buffer.close()
+            self.abort()
 
     def abort(self) -> None:
+        self._hasher.shutdown()
         os.close(self._fd)
         self._view.release()
         self._buffer.close()

@@ -14,12 +14,12 @@ import mergeflow.dcp
 import mergeflow.megatron
 from flows.merge import merge_checkpoint
 from mergeflow.errors import CheckpointError, PlanError
+from mergeflow.fixtures.megatron import LOGITS_INPUT_IDS
 from mergeflow.hf_config import load_model_spec
 from mergeflow.megatron import find_megatron_checkpoint, index_megatron
 from mergeflow.planning import plan_merge
 from mergeflow.save import save_model
 from mergeflow.validation import validate_model_dir
-from mergeflow.fixtures.megatron import LOGITS_INPUT_IDS
 from tests.conftest import MEGATRON_FIXTURE_NAMES, MEGATRON_FIXTURE_SPECS
 from tests.merging import load_weights, logits, model_class
 
