@@ -7,8 +7,8 @@ shape. Layers are stacked along a leading axis (`decoder.layers.self_attention.l
 `(num_layers, rows, hidden)`) or, in models whose layers differ (dense and MoE), stored one key per
 layer (`decoder.layers.3.…`); MoE experts likewise sit on an axis of their own
 (`….mlp.experts.experts.linear_fc1.weight`) or one key per expert (`….experts.experts.7.…`, with the
-gate and up halves of fc1 stored apart as `weight_w`/`weight_v`). `HF_FROM_MEGATRON` and the MoE
-tables map each key to its Hugging Face tensors, as `save_pretrained` names them (one tensor per
+gate and up halves of fc1 stored apart as `weight_w`/`weight_v`). `HF_FROM_MEGATRON` and the tables
+of MoE and MLA models map each key to its Hugging Face tensors, as `save_pretrained` names them (one tensor per
 expert), and the fused ones (QKV per query group, gate|up) are split by small named functions. A key
 the tables do not know is an error that names it, never a dropped tensor.
 """
@@ -104,9 +104,62 @@ MIXTRAL_MOE: dict[str, list[tuple[str, str]]] = {
     ],
 }
 
-MOE_BY_MODEL_TYPE = {"qwen2_moe": QWEN_MOE, "qwen3_moe": QWEN_MOE, "mixtral": MIXTRAL_MOE}
+MLA: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.self_attention.linear_q_proj.weight": [("model.layers.{layer}.self_attn.q_proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_q_down_proj.weight": [
+        ("model.layers.{layer}.self_attn.q_a_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_q_up_proj.weight": [("model.layers.{layer}.self_attn.q_b_proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_q_up_proj.layer_norm_weight": [
+        ("model.layers.{layer}.self_attn.q_a_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.q_layernorm.weight": [
+        ("model.layers.{layer}.self_attn.q_a_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight": [
+        ("model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_kv_up_proj.weight": [
+        ("model.layers.{layer}.self_attn.kv_b_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_kv_up_proj.layer_norm_weight": [
+        ("model.layers.{layer}.self_attn.kv_a_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.kv_layernorm.weight": [
+        ("model.layers.{layer}.self_attn.kv_a_layernorm.weight", COPY)
+    ],
+}
+"""Multi-latent attention (DeepSeek-V3): low-rank q (or one q_proj without q_lora_rank) and kv projections
+with their norms, stored by megatron-core in the HF layout (per head: no-RoPE part, then RoPE part)."""
+
+DEEPSEEK_MOE: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.mlp.gate.weight", COPY)],
+    "decoder.layers.{layer}.mlp.router.expert_bias": [("model.layers.{layer}.mlp.gate.e_score_correction_bias", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": QWEN_MOE[
+        "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight"
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": QWEN_MOE[
+        "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight"
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.shared_experts.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.shared_experts.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight": [
+        ("model.layers.{layer}.mlp.shared_experts.down_proj.weight", COPY)
+    ],
+}
+"""DeepSeek-V3's router with its expert bias (aux-loss-free balancing) and its ungated shared experts."""
+
+TABLES_BY_MODEL_TYPE = {
+    "qwen2_moe": QWEN_MOE,
+    "qwen3_moe": QWEN_MOE,
+    "mixtral": MIXTRAL_MOE,
+    "deepseek_v3": {**MLA, **DEEPSEEK_MOE},
+}
+"""What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | MOE_BY_MODEL_TYPE.keys()
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys()
 VALUE_HEAD = ("score.weight", COPY)
 """A value model's `output_layer` (one output) is its `score` head."""
 
@@ -240,7 +293,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     if unmapped:
         raise PlanError(
             f"unmapped key(s) for {config.model_type} in {layout.dist_ckpt_dir}: {quoted(unmapped)}. "
-            "Add them to HF_FROM_MEGATRON (or MOE_BY_MODEL_TYPE for experts) in mergeflow/megatron.py."
+            "Add them to HF_FROM_MEGATRON (or TABLES_BY_MODEL_TYPE) in mergeflow/megatron.py."
         )
     tensor_parallel = _tensor_parallel(stored)
     return MegatronIndex(
@@ -259,7 +312,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
 
 def mapping_table(model_type: str) -> dict[str, list[tuple[str, str]]]:
     """mcore key template -> the HF tensors it holds, for one model type."""
-    return {**HF_FROM_MEGATRON, **MOE_BY_MODEL_TYPE.get(model_type, {})}
+    return {**HF_FROM_MEGATRON, **TABLES_BY_MODEL_TYPE.get(model_type, {})}
 
 
 def _geometry(config) -> Geometry:

@@ -25,7 +25,7 @@ from tests.merging import load_weights, logits, model_class
 
 REPO_ROOT = Path(__file__).parent.parent
 WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1]
-MOE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral")]
+MOE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")]
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +109,7 @@ def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatc
 def test_an_unmapped_expert_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
     moe_table = dict(mergeflow.megatron.QWEN_MOE)
     del moe_table["decoder.layers.{layer}.mlp.shared_experts.gate_weight"]
-    monkeypatch.setitem(mergeflow.megatron.MOE_BY_MODEL_TYPE, "qwen2_moe", moe_table)
+    monkeypatch.setitem(mergeflow.megatron.TABLES_BY_MODEL_TYPE, "qwen2_moe", moe_table)
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2moe-ep2"].checkpoint_dir)
 
     with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2_moe .*"decoder.layers.1.mlp.shared_experts.gate_weight"'):
