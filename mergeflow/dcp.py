@@ -40,6 +40,7 @@ DCP_ALLOWED_GLOBALS = {
     "torch.serialization": {"_get_layout"},
     "torch": {"Size", "strided", "contiguous_format", "preserve_format", "channels_last"},
     "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id, as DCP records it
     "builtins": {"set", "frozenset", "slice"},
 }
 DTYPE_NAMES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}

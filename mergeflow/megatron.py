@@ -35,6 +35,8 @@ LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
 """A decoder-layer key: stacked (no index, layers on the first axis) or one layer's (`decoder.layers.3.`)."""
 EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
 """Routed experts: on an axis of their own (no index) or one key per expert (`.experts.experts.7.`)."""
+TRAINING_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+"""Optimizer state (Adam moments, fp32 master weights) that verl's 2025 layout saved in the same archive."""
 GLU_HALF = re.compile(r"^(.+)_([wv])$")
 """fc1 stored as its gate (`_w`) and up (`_v`) halves, as megatron-core writes singleton shards."""
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -274,7 +276,9 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
         )
     geometry = _geometry(config)
     table = mapping_table(config.model_type)
-    stored = read_metadata(Path(layout.dist_ckpt_dir))
+    stored = {
+        key: entry for key, entry in read_metadata(Path(layout.dist_ckpt_dir)).items() if not TRAINING_STATE.match(key)
+    }
     tensors: dict[str, MegatronTensor] = {}
     unmapped = []
     for key, entry in stored.items():

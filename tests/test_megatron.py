@@ -5,14 +5,17 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 
 import mergeflow.dcp
 import mergeflow.megatron
 from flows.merge import merge_checkpoint
+from mergeflow.dcp import read_metadata, read_slice
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.fixtures.megatron import LOGITS_INPUT_IDS
 from mergeflow.hf_config import load_model_spec
@@ -76,6 +79,43 @@ def test_experts_are_written_one_tensor_each_under_the_names_save_pretrained_use
 def test_tied_output_layer_is_not_written_and_untied_is(merged_megatron):
     assert "lm_head.weight" not in load_weights(merged_megatron("megatron-llama-tied-tp2"))
     assert "lm_head.weight" in load_weights(merged_megatron("megatron-qwen2-tp1"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_with_optimizer_state(megatron_fixtures, tmp_path_factory):
+    """A 2025-layout checkpoint as verl wrote it with the optimizer in the same archive: every model tensor
+    of a megatron-core fixture plus Adam moments under megatron-core's optimizer keys, saved by torch DCP's
+    own writer (which also records the archive's path in the metadata)."""
+    fixture = megatron_fixtures["megatron-qwen2-tp1"]
+    archive = fixture.model_dir / "dist_ckpt"
+    model_state = {key: read_slice(archive, entry) for key, entry in read_metadata(archive).items()}
+    optimizer_state = {
+        f"{prefix}optimizer.state.{moment}.{key}": torch.randn_like(value)
+        for key, value in model_state.items()
+        for moment in ("exp_avg", "exp_avg_sq")
+        for prefix in ("", "chained_1.")
+    }
+    checkpoint_dir = tmp_path_factory.mktemp("with-optimizer") / "global_step_1" / "actor"
+    shutil.copytree(fixture.model_dir / "huggingface", checkpoint_dir / "huggingface")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it saves from one process
+        torch.distributed.checkpoint.save(
+            model_state | optimizer_state, checkpoint_id=checkpoint_dir / "dist_ckpt", no_dist=True
+        )
+    return fixture, checkpoint_dir
+
+
+def test_optimizer_state_saved_with_the_model_is_left_out(checkpoint_with_optimizer_state, tmp_path):
+    fixture, checkpoint_dir = checkpoint_with_optimizer_state
+    layout = find_megatron_checkpoint(checkpoint_dir)
+    spec = load_model_spec(Path(layout.hf_dir))
+    index = index_megatron(layout, spec)
+    save_model(plan_merge(index, spec, dtype="keep"), index, spec, tmp_path / "out", progress=False)
+
+    report = validate_model_dir(tmp_path / "out", reference_dir=fixture.reference_dir)
+
+    assert report.passed, report.failure_message()
+    assert not [name for name in load_weights(tmp_path / "out") if "optimizer" in name or "exp_avg" in name]
 
 
 @pytest.mark.usefixtures("prefect_server")
