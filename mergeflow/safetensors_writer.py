@@ -103,7 +103,8 @@ class AlignedFile:
     def _flush(self, count: int, data_bytes: int | None = None) -> None:
         """Write the buffer's first `count` bytes, hashing its first `data_bytes` (all of them but the
         padding) meanwhile; the buffer is free again once both are done."""
-        hashing = self._hasher.submit(self._digest.update, self._view[: count if data_bytes is None else data_bytes])
+        data = self._view[: count if data_bytes is None else data_bytes]
+        hashing = self._hasher.submit(self._digest.update, data)
         try:
             written = 0
             while written < count:
@@ -115,6 +116,7 @@ class AlignedFile:
                     self._stop_direct_io()
         finally:
             hashing.result()
+            data.release()
         self._filled = 0
 
     def _stop_direct_io(self) -> None:
