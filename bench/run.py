@@ -29,10 +29,35 @@ VERL_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]
 WORLD_SIZE = 8
 WRITE_BLOCK = 64 * 1024 * 1024
 GB = 1e9
+QUIET_SECONDS = 2.0
+QUIET_TIMEOUT_SECONDS = 300.0
 
 
 def shard_files(checkpoint_dir: Path) -> list[Path]:
     return sorted(checkpoint_dir.glob("model_world_size_*_rank_*.pt"))
+
+
+def wait_for_quiet_disk(path: Path) -> None:
+    """Wait until the device holding `path` has done no I/O for QUIET_SECONDS.
+
+    Deleting the previous run's gigabytes on a filesystem mounted with `discard` (as this machine's
+    is) starts discards that run for seconds afterwards and stall whatever is timed next; so do the
+    write-back of buffered outputs. Each timed step starts on a quiet disk instead.
+    """
+    stat_file = Path(f"/sys/dev/block/{os.major(path.stat().st_dev)}:{os.minor(path.stat().st_dev)}/stat")
+    if not stat_file.is_file():
+        return
+    os.sync()
+    deadline = time.monotonic() + QUIET_TIMEOUT_SECONDS
+    busy_ms, quiet_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        fields = stat_file.read_text().split()
+        in_flight, io_ticks = int(fields[8]), int(fields[9])
+        if in_flight or io_ticks != busy_ms:
+            busy_ms, quiet_since = io_ticks, time.monotonic()
+        elif time.monotonic() - quiet_since >= QUIET_SECONDS:
+            return
+        time.sleep(0.1)
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -54,6 +79,7 @@ def io_floor(checkpoint_dir: Path, output_bytes: int, scratch: Path) -> dict[str
     """Seconds to read the shards cold with `cat`, and to write `output_bytes` once (buffered, as cp does)."""
     shards = shard_files(checkpoint_dir)
     drop_page_cache(shards)
+    wait_for_quiet_disk(checkpoint_dir)
     started = time.perf_counter()
     warm_page_cache(shards)
     read_seconds = time.perf_counter() - started
@@ -64,7 +90,7 @@ def io_floor(checkpoint_dir: Path, output_bytes: int, scratch: Path) -> dict[str
             file.write(block[: min(WRITE_BLOCK, output_bytes - offset)])
     write_seconds = time.perf_counter() - started
     scratch.unlink()
-    os.sync()
+    wait_for_quiet_disk(checkpoint_dir)
     return {"cat_seconds": read_seconds, "write_seconds": write_seconds}
 
 
@@ -74,6 +100,7 @@ def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool) ->
         drop_page_cache(shard_files(checkpoint_dir))
     else:
         warm_page_cache(shard_files(checkpoint_dir))
+    wait_for_quiet_disk(checkpoint_dir)
     result = subprocess.run([sys.executable, "-m", "bench.job", tool, str(checkpoint_dir), str(target_dir)],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
