@@ -167,7 +167,8 @@ def read_slice(checkpoint_dir: Path, tensor: StoredTensor, leading: tuple[int, .
         spans = zip(leading, chunk.offsets, chunk.sizes, strict=False)
         if not all(offset <= index < offset + size for index, offset, size in spans):
             continue
-        value = load_chunk(checkpoint_dir, tensor, chunk)[tuple(i - o for i, o in zip(leading, chunk.offsets, strict=False))]
+        within = tuple(index - offset for index, offset in zip(leading, chunk.offsets, strict=False))
+        value = load_chunk(checkpoint_dir, tensor, chunk)[within]
         target = out
         for dim in range(depth, len(tensor.shape)):
             target = target.narrow(dim - depth, chunk.offsets[dim], chunk.sizes[dim])

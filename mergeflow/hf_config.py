@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
-from transformers.core_model_loading import revert_weight_conversion
 
 from mergeflow.errors import CheckpointError
 
@@ -164,8 +163,14 @@ def _meta_model(model_class: str, config: PretrainedConfig, trust_remote_code: b
 
 
 def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    """The shapes of the state dict as `save_pretrained` writes it, by transformers' own reverse conversion."""
-    saved = revert_weight_conversion(model, dict(state))
+    """The shapes of the state dict as `save_pretrained` writes it, by transformers' own reverse conversion
+    (empty where there is none to apply: transformers 4, or a remote-code model it cannot convert)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        saved = revert_weight_conversion(model, dict(state))
+    except Exception:
+        return {}
     return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
 

@@ -5,6 +5,7 @@ Pure functions over names, shapes and sizes: no I/O and no tensor data.
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,7 +150,7 @@ def _check_dtype(dtype: str) -> None:
         raise OptionError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPE_CHOICES)}")
 
 
-def expected_shapes(spec: ModelSpec, names) -> dict[str, tuple[int, ...]]:
+def expected_shapes(spec: ModelSpec, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
     """The config's tensors under the naming the checkpoint uses: as in memory (FSDP state dicts) or as
     `save_pretrained` writes them (Megatron merges write per-expert MoE tensors)."""
     names = set(names)
