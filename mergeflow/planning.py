@@ -91,7 +91,8 @@ def plan_merge(
     )
     dropped = {name: spec.tied[name] for name in sources if name in spec.tied}
     kept = {name: source for name, source in sources.items() if name not in dropped}
-    _check_against_config(kept, spec, index.checkpoint_dir)
+    expected = expected_shapes(spec, kept)
+    _check_against_config(kept, expected, spec, index.checkpoint_dir)
     folds = lora.folds if lora is not None else {}
     tensors = {
         name: OutputTensor(
@@ -110,7 +111,7 @@ def plan_merge(
         total_size=int(split.metadata["total_size"]),
         config_dtype=_config_dtype(tensors.values()) if dtype == KEEP else dtype_name(DTYPE_CHOICES[dtype]),
         dropped_aliases=dropped,
-        unexpected=tuple(name for name in kept if name not in expected_shapes(spec, kept)),
+        unexpected=tuple(name for name in kept if name not in expected),
     )
 
 
@@ -158,9 +159,10 @@ def expected_shapes(spec: ModelSpec, names: Iterable[str]) -> dict[str, tuple[in
     return saved if len(names & saved.keys()) > len(names & in_memory.keys()) else in_memory
 
 
-def _check_against_config(kept: dict[str, SourceTensor], spec: ModelSpec, checkpoint_dir: str) -> None:
+def _check_against_config(
+    kept: dict[str, SourceTensor], expected: dict[str, tuple[int, ...]], spec: ModelSpec, checkpoint_dir: str
+) -> None:
     config_path = f"{spec.config_dir}/config.json"
-    expected = expected_shapes(spec, kept)
     missing = [name for name in expected if name not in kept]
     if missing:
         raise PlanError(
