@@ -5,8 +5,10 @@ on disk, memory-mapped); `mergeflow.rank_reader` reads their data while a merge 
 """
 
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import os
 import pickle
 import re
@@ -16,12 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.errors import CheckpointError, quoted
 from mergeflow.placement import REPLICATE, Block, covers_exactly, local_block, shard, unique_blocks
+from mergeflow.rank_pickle import (
+    MeshPosition,
+    RankTensor,
+    UnknownPickle,
+    read_rank_pickle,
+    tensor_file_offsets,
+)
 
 FSDP_CONFIG_FILE = "fsdp_config.json"
 HF_SUBDIR = "huggingface"
@@ -178,8 +185,11 @@ def _quiet_device_mesh() -> Iterator[None]:
         mesh_logger.setLevel(level)
 
 
-def load_rank_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """Memory-map one rank file with `weights_only=True`: tensor data stays on disk until read.
+def load_rank_state(path: str | Path) -> dict[str, RankTensor]:
+    """Memory-map one rank file: each entry's metadata, its local data left on disk until read.
+
+    The pickle is read by `mergeflow.rank_pickle`, which runs nothing from it; one that reader does not
+    know is loaded with `torch.load(weights_only=True)` instead.
 
     Raises:
         CheckpointError: the file is truncated, not a torch checkpoint, not a state dict, or its
@@ -190,6 +200,18 @@ def load_rank_state(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             f"not a torch checkpoint: {path} is truncated or was not written by torch.save (no zip directory found)"
         )
+    try:
+        state = read_rank_pickle(path)
+    except UnknownPickle:
+        state = _load_with_torch(path)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    return {_strip_wrappers(key): value for key, value in state.items()}
+
+
+def _load_with_torch(path: Path) -> dict[str, RankTensor]:
+    import torch.distributed.tensor  # DTensor pickles name its classes
+
     try:
         with _quiet_device_mesh():
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -205,7 +227,23 @@ def load_rank_state(path: str | Path) -> dict[str, torch.Tensor]:
     not_tensors = [str(key) for key, value in state.items() if not isinstance(value, torch.Tensor)]
     if not_tensors:
         raise CheckpointError(f"not a model state dict: {path} has non-tensor entries {quoted(not_tensors)}")
-    return {_strip_wrappers(key): value for key, value in state.items()}
+    tensors = {str(key): _rank_tensor(value, str(key), path) for key, value in state.items()}
+    offsets = tensor_file_offsets(path, {key: value.local for key, value in tensors.items()})
+    return {key: dataclasses.replace(value, file_offset=offsets.get(key)) for key, value in tensors.items()}
+
+
+def _rank_tensor(tensor: torch.Tensor, name: str, path: Path) -> RankTensor:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return RankTensor(tensor, tuple(tensor.shape), tensor.dtype)
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        raise CheckpointError(f'tensor "{name}" in {path} is on a device mesh that does not hold the rank that saved it')
+    mesh = MeshPosition(tuple(tensor.device_mesh.shape), tensor.device_mesh.mesh_dim_names, tuple(coordinate))
+    return RankTensor(
+        tensor._local_tensor, tuple(tensor.shape), tensor.dtype, _placement_names(tensor, name, path), mesh
+    )
 
 
 def _unpickling_reason(error: pickle.UnpicklingError) -> str:
@@ -221,7 +259,7 @@ def _strip_wrappers(key: str) -> str:
     return key
 
 
-_handoff: dict[str, tuple[tuple[int, int], dict[str, torch.Tensor]]] = {}
+_handoff: dict[str, tuple[tuple[int, int], dict[str, RankTensor]]] = {}
 """The rank states `index_shards` loaded last, left for the reader of the same files to take:
 unpickling every rank file twice (once to plan, once to copy) would cost seconds on large checkpoints.
 Only one checkpoint's mappings are kept; a file that changed since is loaded again."""
@@ -232,22 +270,17 @@ def _file_identity(path: str) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
-def _hand_off(rank_files: RankFiles, states: list[dict[str, torch.Tensor]]) -> None:
+def _hand_off(rank_files: RankFiles, states: list[dict[str, RankTensor]]) -> None:
     _handoff.clear()
     for path, state in zip(rank_files.paths, states, strict=True):
         _handoff[path] = (_file_identity(path), state)
 
 
-def take_or_load(path: str) -> dict[str, torch.Tensor]:
+def take_or_load(path: str) -> dict[str, RankTensor]:
     identity, state = _handoff.pop(path, (None, None))
     if state is not None and identity == _file_identity(path):
         return state
     return load_rank_state(path)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The data a rank holds: a DTensor's local shard, or the plain tensor itself."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def index_shards(rank_files: RankFiles) -> ShardIndex:
@@ -261,9 +294,8 @@ def index_shards(rank_files: RankFiles) -> ShardIndex:
     names = list(states[0])
     _check_same_keys(states, rank_files)
     _hand_off(rank_files, states)
-    meshes = _mesh_infos(states)
-    mesh_shape, mesh_dim_names = _mesh_of(meshes, rank_files)
-    tensors = {name: _source_tensor(name, states, rank_files, mesh_shape, meshes) for name in names}
+    mesh_shape, mesh_dim_names, coordinates = _mesh_of(states, rank_files)
+    tensors = {name: _source_tensor(name, states, rank_files, mesh_shape, coordinates) for name in names}
     return ShardIndex(
         checkpoint_dir=rank_files.checkpoint_dir,
         world_size=rank_files.world_size,
@@ -276,7 +308,7 @@ def index_shards(rank_files: RankFiles) -> ShardIndex:
     )
 
 
-def _check_same_keys(states: list[dict[str, torch.Tensor]], rank_files: RankFiles) -> None:
+def _check_same_keys(states: list[dict[str, RankTensor]], rank_files: RankFiles) -> None:
     expected = set(states[0])
     for rank, state in enumerate(states[1:], start=1):
         missing, extra = expected - set(state), set(state) - expected
@@ -294,55 +326,43 @@ def _check_same_keys(states: list[dict[str, torch.Tensor]], rank_files: RankFile
             )
 
 
-@dataclass(frozen=True)
-class _MeshInfo:
-    shape: tuple[int, ...]
-    dim_names: tuple[str, ...] | None
-    coordinates: dict[int, tuple[int, ...]]
-    """Each rank's position in the mesh."""
-
-
-def _mesh_infos(states: list[dict[str, torch.Tensor]]) -> dict[int, _MeshInfo]:
-    """One entry per distinct DeviceMesh object (`DeviceMesh.mesh` is costly, so each is read once)."""
-    infos: dict[int, _MeshInfo] = {}
-    for state in states:
-        for tensor in state.values():
-            if isinstance(tensor, DTensor) and id(tensor.device_mesh) not in infos:
-                mesh = tensor.device_mesh.mesh
-                coordinates = {
-                    int(rank): tuple(int(i) for i in (mesh == rank).nonzero()[0]) for rank in mesh.flatten()
-                }
-                infos[id(tensor.device_mesh)] = _MeshInfo(
-                    tuple(mesh.shape), tensor.device_mesh.mesh_dim_names, coordinates
-                )
-    return infos
-
-
 def _mesh_of(
-    meshes: dict[int, _MeshInfo], rank_files: RankFiles
-) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
-    """The device mesh every DTensor uses (one mesh for the whole checkpoint), checked against the world size."""
-    distinct = {(info.shape, info.dim_names, tuple(sorted(info.coordinates))) for info in meshes.values()}
-    if not distinct:
-        return (rank_files.world_size,), None
-    if len(distinct) > 1:
-        shapes = ", ".join(sorted(f"{shape} {names}" for shape, names, _ in distinct))
+    states: list[dict[str, RankTensor]], rank_files: RankFiles
+) -> tuple[tuple[int, ...], tuple[str, ...] | None, list[tuple[int, ...]]]:
+    """The device mesh every DTensor uses (one mesh for the whole checkpoint), checked against the world size,
+    and each rank's coordinate in it."""
+    positions = [{tensor.mesh for tensor in state.values() if tensor.mesh is not None} for state in states]
+    if not any(positions):
+        return (rank_files.world_size,), None, [(rank,) for rank in range(rank_files.world_size)]
+    meshes = {(position.shape, position.dim_names) for rank_positions in positions for position in rank_positions}
+    if len(meshes) > 1:
+        shapes = ", ".join(sorted(f"{shape} {names}" for shape, names in meshes))
         raise CheckpointError(f"tensors of {rank_files.checkpoint_dir} use different device meshes: {shapes}")
-    shape, names, ranks = distinct.pop()
+    (shape, names), = meshes
     if names is not None and not set(names) <= SUPPORTED_MESH_DIM_NAMES:
         raise CheckpointError(
             f"unsupported device mesh dims {names} in {rank_files.paths[0]}: mergeflow merges FSDP/HSDP meshes "
             f"with dims named {quoted(SUPPORTED_MESH_DIM_NAMES)}"
         )
-    if list(ranks) != list(range(rank_files.world_size)):
+    if math.prod(shape) != rank_files.world_size:
         raise CheckpointError(
-            f"device mesh {shape} of {rank_files.paths[0]} holds ranks {list(ranks)}, "
+            f"device mesh {shape} of {rank_files.paths[0]} holds {math.prod(shape)} ranks, "
             f"but the checkpoint has world_size={rank_files.world_size}"
         )
-    return shape, names
+    coordinates = []
+    for rank, rank_positions in enumerate(positions):
+        if len(rank_positions) != 1:
+            raise CheckpointError(f"the DTensors of {rank_files.paths[rank]} disagree on the rank's mesh position")
+        coordinates.append(next(iter(rank_positions)).coordinate)
+    if len(set(coordinates)) != len(coordinates):
+        raise CheckpointError(f"two rank files of {rank_files.checkpoint_dir} hold the same mesh position")
+    return shape, names, coordinates
 
 
-def _placement_names(tensor: DTensor, name: str, path: str) -> tuple[str, ...]:
+def _placement_names(tensor, name: str, path: Path) -> tuple[str, ...]:
+    """A torch-loaded DTensor's placements as `placement` names."""
+    from torch.distributed.tensor import Replicate, Shard
+
     names = []
     for placement in tensor.placements:
         if type(placement) is Shard:
@@ -359,75 +379,69 @@ def _placement_names(tensor: DTensor, name: str, path: str) -> tuple[str, ...]:
 
 def _source_tensor(
     name: str,
-    states: list[dict[str, torch.Tensor]],
+    states: list[dict[str, RankTensor]],
     rank_files: RankFiles,
     mesh_shape: tuple[int, ...],
-    meshes: dict[int, _MeshInfo],
+    coordinates: list[tuple[int, ...]],
 ) -> SourceTensor:
     first = states[0][name]
-    if not isinstance(first, DTensor):
+    if not first.is_dtensor:
         return _replicated_plain_tensor(name, states, rank_files)
-    shape = tuple(first.shape)
-    placements = _placement_names(first, name, rank_files.paths[0])
     blocks = []
     for rank, state in enumerate(states):
         tensor, path = state[name], rank_files.paths[rank]
-        if not isinstance(tensor, DTensor) or tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
+        if not tensor.is_dtensor or tensor.shape != first.shape or tensor.dtype != first.dtype:
             raise CheckpointError(
                 f'tensor "{name}" differs across ranks: {path} has {_describe(tensor)}, rank 0 has {_describe(first)}'
             )
-        if _placement_names(tensor, name, path) != placements:
+        if tensor.placements != first.placements:
             raise CheckpointError(f'tensor "{name}" has different placements on {path} than on rank 0')
-        coordinate = meshes[id(tensor.device_mesh)].coordinates[rank]
-        offset, local_shape = local_block(shape, mesh_shape, coordinate, placements)
-        actual = tuple(tensor._local_tensor.shape)
+        offset, local_shape = local_block(first.shape, mesh_shape, coordinates[rank], first.placements)
+        actual = tuple(tensor.local.shape)
         if actual != local_shape:
             raise CheckpointError(
                 f'tensor "{name}" in {path} has local shape {actual}, expected {local_shape} for global shape '
-                f"{shape} with placements {placements} on mesh {mesh_shape}"
+                f"{first.shape} with placements {first.placements} on mesh {mesh_shape}"
             )
         blocks.append(Block(rank, offset, local_shape))
     chosen = unique_blocks(blocks)
-    if not covers_exactly(shape, chosen):
-        raise CheckpointError(f'the rank blocks of tensor "{name}" do not cover its global shape {shape}')
-    return SourceTensor(name, dtype_name(first.dtype), shape, placements, chosen)
+    if not covers_exactly(first.shape, chosen):
+        raise CheckpointError(f'the rank blocks of tensor "{name}" do not cover its global shape {first.shape}')
+    return SourceTensor(name, dtype_name(first.dtype), first.shape, first.placements, chosen)
 
 
-def _replicated_plain_tensor(
-    name: str, states: list[dict[str, torch.Tensor]], rank_files: RankFiles
-) -> SourceTensor:
+def _replicated_plain_tensor(name: str, states: list[dict[str, RankTensor]], rank_files: RankFiles) -> SourceTensor:
     """A plain tensor (buffer, or world size 1) must be the same on every rank; it is kept once."""
     first = states[0][name]
     for rank, state in enumerate(states[1:], start=1):
         other = state[name]
-        if isinstance(other, DTensor) or other.shape != first.shape or other.dtype != first.dtype:
+        if other.is_dtensor or other.shape != first.shape or other.dtype != first.dtype:
             raise CheckpointError(
                 f'tensor "{name}" differs across ranks: {rank_files.paths[rank]} has {_describe(other)}, '
                 f"rank 0 has {_describe(first)}"
             )
-        if not torch.equal(other, first):
+        if not torch.equal(other.local, first.local):
             raise CheckpointError(
                 f'plain tensor "{name}" has different values in {rank_files.paths[rank]} than on rank 0; '
                 "a tensor that is not a DTensor must be replicated"
             )
-    shape = tuple(first.shape)
-    return SourceTensor(name, dtype_name(first.dtype), shape, (), (Block(0, (0,) * len(shape), shape),))
+    return SourceTensor(name, dtype_name(first.dtype), first.shape, (), (Block(0, (0,) * len(first.shape), first.shape),))
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    kind = "DTensor" if isinstance(tensor, DTensor) else "tensor"
-    return f"{kind} {tuple(tensor.shape)} {dtype_name(tensor.dtype)}"
+def _describe(tensor: RankTensor) -> str:
+    kind = "DTensor" if tensor.is_dtensor else "tensor"
+    return f"{kind} {tensor.shape} {dtype_name(tensor.dtype)}"
 
 
-def _storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+def _storage_aliases(state: dict[str, RankTensor]) -> dict[str, str]:
     """Names whose local data is the same memory as an earlier name's (tied weights saved once)."""
     first_name: dict[tuple, str] = {}
     aliases = {}
     for name, tensor in state.items():
-        local = local_tensor(tensor)
+        local = tensor.local
         if local.numel() == 0:
             continue
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+        key = (local.data_ptr(), tuple(local.shape), local.stride())
         if key in first_name:
             aliases[name] = first_name[key]
         else:

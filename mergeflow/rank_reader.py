@@ -10,67 +10,17 @@ the mapping instead, and its pages are dropped right after.
 
 import mmap
 import os
-import struct
-import zipfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from mergeflow import pages
-from mergeflow.fsdp import local_tensor, take_or_load
+from mergeflow.fsdp import take_or_load
 from mergeflow.placement import Block
+from mergeflow.rank_pickle import RankTensor
 
-ZIP_LOCAL_HEADER_SIZE = 30
-ZIP_LOCAL_HEADER_FORMAT = "<HH"
-ZIP_LOCAL_NAME_LENGTHS = slice(26, 30)
-DATA_RECORD_DIR = "data"
 ALIGNMENT = 4096
 STAGING_BYTES = 16 * 1024 * 1024
-
-
-def record_data_offsets(path: str | Path) -> set[int]:
-    """File offsets where the bytes of each stored (uncompressed) tensor record of a torch zip begin."""
-    offsets = set()
-    with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
-        for info in archive.infolist():
-            parts = info.filename.split("/")
-            if len(parts) < 2 or parts[-2] != DATA_RECORD_DIR or info.compress_type != zipfile.ZIP_STORED:
-                continue
-            file.seek(info.header_offset)
-            header = file.read(ZIP_LOCAL_HEADER_SIZE)
-            name_length, extra_length = struct.unpack(ZIP_LOCAL_HEADER_FORMAT, header[ZIP_LOCAL_NAME_LENGTHS])
-            offsets.add(info.header_offset + ZIP_LOCAL_HEADER_SIZE + name_length + extra_length)
-    return offsets
-
-
-def tensor_file_offsets(path: str | Path, state: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Where each contiguous local tensor's first byte lies in its rank file.
-
-    A memory-mapped load maps the whole file once and slices each storage out of it at its record's
-    offset, so storage addresses differ exactly as record offsets do. The mapping's base address is
-    the one that puts every storage on a record start (records of empty tensors hold no storage, so
-    the lowest storage need not be the first record); without one, no offsets are returned and the
-    reader falls back to the mapping.
-    """
-    records = record_data_offsets(path)
-    storages = {}
-    for name, tensor in state.items():
-        local = local_tensor(tensor)
-        if local.numel() > 0 and local.is_contiguous():
-            storages[name] = (local.untyped_storage().data_ptr(), local)
-    if not storages or not records:
-        return {}
-    pointers = {pointer for pointer, _ in storages.values()}
-    lowest = min(pointers)
-    bases = (lowest - record for record in sorted(records))
-    base = next((b for b in bases if all(pointer - b in records for pointer in pointers)), None)
-    if base is None:
-        return {}
-    return {
-        name: pointer - base + local.storage_offset() * local.element_size()
-        for name, (pointer, local) in storages.items()
-    }
 
 
 class RankReader:
@@ -85,21 +35,20 @@ class RankReader:
 
     def __init__(self, rank_files: tuple[str, ...]):
         self._rank_files = rank_files
-        self._states: dict[int, dict[str, torch.Tensor]] = {}
-        self._offsets: dict[int, dict[str, int]] = {}
+        self._states: dict[int, dict[str, RankTensor]] = {}
         self._direct_fds: dict[int, int | None] = {}
         self._staging: mmap.mmap | None = None
 
     def local(self, name: str, rank: int) -> torch.Tensor:
         """The memory-mapped local tensor (its metadata is free; touching its data costs page faults)."""
         self._open(rank)
-        return local_tensor(self._states[rank][name])
+        return self._states[rank][name].local
 
     def read_rows(self, name: str, rank: int, start: int, stop: int, into: torch.Tensor) -> None:
         """Copy rows `[start, stop)` of a rank's local tensor into `into`, casting to its dtype."""
         source = self.local(name, rank)
         rows = source[start:stop] if source.dim() else source
-        offset = self._offsets[rank].get(name)
+        offset = self._states[rank][name].file_offset
         direct_fd = self._direct_fds[rank]
         if offset is None or direct_fd is None or source.dim() == 0 or self._in_page_cache(rows):
             into.copy_(rows)
@@ -145,7 +94,6 @@ class RankReader:
             return
         path = self._rank_files[rank]
         self._states[rank] = take_or_load(path)
-        self._offsets[rank] = tensor_file_offsets(path, self._states[rank])
         self._direct_fds[rank] = _open_direct(path)
 
     def close(self) -> None:
@@ -154,7 +102,6 @@ class RankReader:
                 os.close(fd)
         self._direct_fds.clear()
         self._states.clear()
-        self._offsets.clear()
         self._staging = None
 
     def __enter__(self) -> "RankReader":
