@@ -6,7 +6,9 @@
 For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, measures the I/O floor
 (`cat` of the shards from a cold page cache, plus writing the output's size once), then runs each
 tool in a fresh process with a cold and a warm page cache, and checks that mergeflow's and verl's
-outputs hold identical tensors. verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
+outputs hold identical tensors. mergeflow runs first with an empty model-spec cache (a config it has
+not seen: the first merge of a training run, which imports transformers and builds the model on the
+meta device), then with the spec remembered, as for every later checkpoint of the run. verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from bench.make_checkpoint import write_checkpoint
+from mergeflow.spec_cache import CACHE_DIR_VARIABLE
 
 MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"]
 VERL_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]
@@ -94,7 +97,9 @@ def io_floor(checkpoint_dir: Path, output_bytes: int, scratch: Path) -> dict[str
     return {"cat_seconds": read_seconds, "write_seconds": write_seconds}
 
 
-def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool) -> dict:
+def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool, spec_cache: Path) -> dict:
+    """One merge in a fresh process; `spec_cache` is mergeflow's model-spec cache directory (empty: a config
+    it has not seen, the first merge of a training run)."""
     shutil.rmtree(target_dir, ignore_errors=True)
     if cold:
         drop_page_cache(shard_files(checkpoint_dir))
@@ -102,12 +107,31 @@ def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool) ->
         warm_page_cache(shard_files(checkpoint_dir))
     wait_for_quiet_disk(checkpoint_dir)
     result = subprocess.run([sys.executable, "-m", "bench.job", tool, str(checkpoint_dir), str(target_dir)],
-                            capture_output=True, text=True, check=False)
+                            capture_output=True, text=True, check=False,
+                            env={**os.environ, CACHE_DIR_VARIABLE: str(spec_cache)})
     if result.returncode != 0:
         raise RuntimeError(f"{tool} failed on {checkpoint_dir}:\n{result.stderr[-3000:]}")
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     os.sync()
     return {**measured, "cache": "cold" if cold else "warm"}
+
+
+def mergeflow_runs(checkpoint_dir: Path, target: Path, spec_cache: Path) -> list[dict]:
+    """Cold with a config mergeflow has not seen (spec built from transformers), then cold and warm with it
+    remembered, as for every later checkpoint of the same run."""
+    shutil.rmtree(spec_cache, ignore_errors=True)
+    runs = []
+    for cold, label in ((True, "new config"), (True, "seen config"), (False, "seen config")):
+        print(f"{checkpoint_dir.name}: mergeflow ({'cold' if cold else 'warm'} cache, {label}) ...", flush=True)
+        run = run_job("mergeflow", checkpoint_dir, target if label == "new config" else warm_target(target),
+                      cold=cold, spec_cache=spec_cache)
+        runs.append({**run, "config": label})
+    shutil.rmtree(warm_target(target), ignore_errors=True)
+    return runs
+
+
+def warm_target(target: Path) -> Path:
+    return target.with_name(target.name + "-again")
 
 
 def output_tensors(model_dir: Path) -> dict[str, Path]:
@@ -140,15 +164,14 @@ def bench_model(model: str, workdir: Path, with_verl: bool) -> dict:
         write_checkpoint(model, WORLD_SIZE, checkpoint_dir)
     shard_bytes = sum(path.stat().st_size for path in shard_files(checkpoint_dir))
     outputs = {tool: workdir / "outputs" / f"{model}-{tool}" for tool in ("mergeflow", "verl")}
-    runs = []
-    tools = ["mergeflow", "verl"] if with_verl else ["mergeflow"]
-    for tool in tools:
-        for cold in (True, False):
-            print(f"{model}: {tool} ({'cold' if cold else 'warm'} cache) ...", flush=True)
-            target = outputs[tool] if cold else outputs[tool].with_name(outputs[tool].name + "-warm")
-            runs.append({"model": model, **run_job(tool, checkpoint_dir, target, cold=cold)})
-            if not cold:
-                shutil.rmtree(target)
+    spec_cache = workdir / "spec-cache"
+    runs = [{"model": model, **run} for run in mergeflow_runs(checkpoint_dir, outputs["mergeflow"], spec_cache)]
+    for cold in (True, False) if with_verl else ():
+        print(f"{model}: verl ({'cold' if cold else 'warm'} cache) ...", flush=True)
+        target = outputs["verl"] if cold else warm_target(outputs["verl"])
+        runs.append({"model": model, **run_job("verl", checkpoint_dir, target, cold=cold, spec_cache=spec_cache)})
+        if not cold:
+            shutil.rmtree(target)
     floor = io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin")
     result = {
         "model": model,
@@ -164,14 +187,15 @@ def bench_model(model: str, workdir: Path, with_verl: bool) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    header = ("model", "tool", "cache", "wall s", "vs verl", "vs I/O floor", "peak RSS GB", "read GB", "written GB")
+    header = ("model", "tool", "page cache", "config", "wall s", "vs verl", "vs I/O floor", "peak RSS GB", "read GB", "written GB")
     rows = [header]
     for result in results:
         floor = result["cat_seconds"] + result["write_seconds"]
         verl = {run["cache"]: run["wall_seconds"] for run in result["runs"] if run["tool"] == "verl"}
         for run in result["runs"]:
             ratio = f"{run['wall_seconds'] / verl[run['cache']]:.2f}x" if run["cache"] in verl else "-"
-            rows.append((result["model"], run["tool"], run["cache"], f"{run['wall_seconds']:.1f}", ratio,
+            rows.append((result["model"], run["tool"], run["cache"], run.get("config", "-"),
+                         f"{run['wall_seconds']:.1f}", ratio,
                          f"{floor / run['wall_seconds']:.0%}", f"{run['peak_rss_bytes'] / GB:.2f}",
                          f"{run['read_bytes'] / GB:.2f}", f"{run['write_bytes'] / GB:.2f}"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]

@@ -4,12 +4,15 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from mergeflow import spec_cache
 from mergeflow.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -44,6 +47,8 @@ class ModelSpec:
     """Tied aliases (not written) mapped to the tensor they share, e.g. lm_head.weight -> embed_tokens."""
     can_generate: bool
     is_value_model: bool
+    derived_generation_config: str | None = None
+    """generation_config.json as transformers derives it from the model config, for checkpoints without one."""
 
 
 def default_config_dir(checkpoint_dir: Path) -> Path:
@@ -59,10 +64,42 @@ def load_model_spec(
 ) -> ModelSpec:
     """Read config.json and build the model on the meta device to learn its tensors and ties.
 
+    The result is remembered (`mergeflow.spec_cache`): the next checkpoint with the same config is
+    planned without importing transformers.
+
     Raises:
         CheckpointError: config.json is missing or unreadable, or the architecture is unknown.
     """
     config_dir = Path(config_dir)
+    if not (config_dir / CONFIG_FILE).is_file():
+        load_config(config_dir)  # raises the missing-config error
+    options = {"trust_remote_code": trust_remote_code, "is_value_model": is_value_model}
+    fields = spec_cache.cached_fields(
+        spec_cache.spec_key(config_dir, options),
+        lambda: _spec_fields(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model),
+    )
+    spec = ModelSpec(
+        config_dir=str(config_dir),
+        architecture=fields["architecture"],
+        model_class=fields["model_class"],
+        trust_remote_code=trust_remote_code,
+        expected_shapes={name: tuple(shape) for name, shape in fields["expected_shapes"].items()},
+        saved_shapes={name: tuple(shape) for name, shape in fields["saved_shapes"].items()},
+        tied=fields["tied"],
+        can_generate=fields["can_generate"],
+        is_value_model=fields["is_value_model"],
+        derived_generation_config=fields["derived_generation_config"],
+    )
+    if tie_word_embedding and not spec.tied:
+        raise CheckpointError(
+            f"--tie-word-embedding contradicts {config_dir / CONFIG_FILE}, which does not tie the word embeddings; "
+            "drop the flag (the config decides, so that lm_head is never dropped by mistake)"
+        )
+    return spec
+
+
+def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: bool) -> dict[str, Any]:
+    """The spec's fields, as JSON values, from the model built on the meta device."""
     config = load_config(config_dir, trust_remote_code=trust_remote_code)
     architecture = _architecture(config, config_dir, is_value_model)
     model_class = _model_class_name(architecture, config, config_dir)
@@ -70,33 +107,36 @@ def load_model_spec(
         _make_value_config(config, architecture)
     model = _meta_model(model_class, config, trust_remote_code, config_dir)
     tied = _tied_aliases(model)
-    if tie_word_embedding and not tied:
-        raise CheckpointError(
-            f"--tie-word-embedding contradicts {config_dir / CONFIG_FILE}, which does not tie the word embeddings; "
-            "drop the flag (the config decides, so that lm_head is never dropped by mistake)"
-        )
     state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
-    expected = {name: tuple(tensor.shape) for name, tensor in state.items()}
-    return ModelSpec(
-        config_dir=str(config_dir),
-        architecture=architecture,
-        model_class=model_class,
-        trust_remote_code=trust_remote_code,
-        expected_shapes=expected,
-        saved_shapes=_saved_shapes(model, state) or expected,
-        tied=tied,
-        can_generate=bool(model.can_generate()),
-        is_value_model=architecture.endswith(VALUE_MODEL_SUFFIX),
-    )
+    expected = {name: list(tensor.shape) for name, tensor in state.items()}
+    return {
+        "architecture": architecture,
+        "model_class": model_class,
+        "expected_shapes": expected,
+        "saved_shapes": _saved_shapes(model, state) or expected,
+        "tied": tied,
+        "can_generate": bool(model.can_generate()),
+        "is_value_model": architecture.endswith(VALUE_MODEL_SUFFIX),
+        "derived_generation_config": _derived_generation_config(config) if model.can_generate() else None,
+    }
 
 
-def load_config(config_dir: Path, *, trust_remote_code: bool = False) -> PretrainedConfig:
+def _derived_generation_config(config: "PretrainedConfig") -> str:
+    """The generation_config.json `save_pretrained` writes for a model whose checkpoint has none."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_model_config(config).to_json_string(use_diff=True)
+
+
+def load_config(config_dir: Path, *, trust_remote_code: bool = False) -> "PretrainedConfig":
     path = Path(config_dir) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(
             f"missing {path}: verl saves the model config in <checkpoint>/huggingface/; "
             "pass --hf_model_config_path DIR if it lives elsewhere"
         )
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -109,7 +149,7 @@ def load_config(config_dir: Path, *, trust_remote_code: bool = False) -> Pretrai
         raise CheckpointError(f"cannot read {path}: {e}") from e
 
 
-def _architecture(config: PretrainedConfig, config_dir: Path, is_value_model: bool) -> str:
+def _architecture(config: "PretrainedConfig", config_dir: Path, is_value_model: bool) -> str:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise CheckpointError(
@@ -125,7 +165,9 @@ def _architecture(config: PretrainedConfig, config_dir: Path, is_value_model: bo
     return architecture
 
 
-def _model_class_name(architecture: str, config: PretrainedConfig, config_dir: Path) -> str:
+def _model_class_name(architecture: str, config: "PretrainedConfig", config_dir: Path) -> str:
+    import transformers
+
     if hasattr(transformers, architecture):
         return architecture
     for suffix, auto_class in AUTO_CLASS_BY_SUFFIX.items():
@@ -137,7 +179,7 @@ def _model_class_name(architecture: str, config: PretrainedConfig, config_dir: P
     )
 
 
-def _make_value_config(config: PretrainedConfig, architecture: str) -> None:
+def _make_value_config(config: "PretrainedConfig", architecture: str) -> None:
     config.architectures = [architecture]
     config.num_labels = 1
 
@@ -151,7 +193,9 @@ def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
     return _meta_model(spec.model_class, config, spec.trust_remote_code, config_dir)
 
 
-def _meta_model(model_class: str, config: PretrainedConfig, trust_remote_code: bool, config_dir: Path):
+def _meta_model(model_class: str, config: "PretrainedConfig", trust_remote_code: bool, config_dir: Path):
+    import transformers
+
     cls = getattr(transformers, model_class)
     try:
         with torch.device("meta"):
@@ -162,7 +206,7 @@ def _meta_model(model_class: str, config: PretrainedConfig, trust_remote_code: b
         raise CheckpointError(f"cannot build {model_class} from {config_dir / CONFIG_FILE}: {e}") from e
 
 
-def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     """The shapes of the state dict as `save_pretrained` writes it, by transformers' own reverse conversion
     (empty where there is none to apply: transformers 4, or a remote-code model it cannot convert)."""
     try:
@@ -171,7 +215,7 @@ def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dic
         saved = revert_weight_conversion(model, dict(state))
     except Exception:
         return {}
-    return {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    return {name: list(tensor.shape) for name, tensor in saved.items()}
 
 
 def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -211,9 +255,8 @@ def write_generation_config(spec: ModelSpec, output_dir: Path) -> None:
     source = Path(spec.config_dir) / GENERATION_CONFIG_FILE
     if source.is_file():
         shutil.copyfile(source, Path(output_dir) / GENERATION_CONFIG_FILE)
-    elif spec.can_generate:
-        config = load_config(Path(spec.config_dir), trust_remote_code=spec.trust_remote_code)
-        GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    elif spec.derived_generation_config is not None:
+        (Path(output_dir) / GENERATION_CONFIG_FILE).write_text(spec.derived_generation_config)
 
 
 def side_files(config_dir: Path) -> list[Path]:

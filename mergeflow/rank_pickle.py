@@ -193,19 +193,25 @@ def read_rank_pickle(path: str | Path) -> dict[str, RankTensor]:
     """The rank file's state dict as records over a private memory mapping of the file.
 
     Raises:
-        UnknownPickle: the pickle is not one this reader knows (the caller falls back to torch.load).
-        zipfile.BadZipFile, pickle.UnpicklingError, OSError: the file is not a readable torch zip.
+        UnknownPickle: the pickle is not one this reader knows, or is malformed (the caller falls back to
+            torch.load, whose error then describes it).
+        zipfile.BadZipFile, OSError: the file is not a readable zip.
     """
     with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
         pickle_name = next((n for n in archive.namelist() if n.split("/")[-1] == DATA_PICKLE), None)
         if pickle_name is None:
             raise UnknownPickle(f"no {DATA_PICKLE}")
-        state = _RankUnpickler(archive.open(pickle_name)).load()
         records = _data_records(file, archive)
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if records else None
-    if not isinstance(state, dict):
-        raise UnknownPickle(f"a {type(state).__name__}, not a state dict")
-    return {str(name): _rank_tensor(value, records, mapping) for name, value in state.items()}
+        try:
+            state = _RankUnpickler(archive.open(pickle_name)).load()
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if records else None
+            if not isinstance(state, dict):
+                raise UnknownPickle(f"a {type(state).__name__}, not a state dict")
+            return {str(name): _rank_tensor(value, records, mapping) for name, value in state.items()}
+        except UnknownPickle:
+            raise
+        except Exception as e:
+            raise UnknownPickle(f"{type(e).__name__}: {e}") from e
 
 
 def _data_records(file, archive: zipfile.ZipFile) -> dict[str, tuple[int, int] | None]:

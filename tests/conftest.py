@@ -2,13 +2,17 @@
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from mergeflow import spec_cache
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ[spec_cache.CACHE_DIR_VARIABLE] = tempfile.mkdtemp(prefix="mergeflow-cache-")
 
 import pytest
 

@@ -1,0 +1,64 @@
+"""Model specs remembered on disk, keyed by everything they are derived from.
+
+Building a spec imports transformers and the model's modeling code and builds it on the meta device:
+seconds, on every merge. Every checkpoint of a training run has the same config, so a spec is stored
+once per (config.json, remote-code files, transformers version, options) and read back on the next
+merge without importing transformers at all. `MERGEFLOW_CACHE_DIR` moves the cache (default:
+`$XDG_CACHE_HOME/mergeflow` or `~/.cache/mergeflow`); an unreadable or stale entry is rebuilt.
+"""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CACHE_DIR_VARIABLE = "MERGEFLOW_CACHE_DIR"
+SPEC_SUBDIR = "model-specs"
+FORMAT_VERSION = 1
+"""Bumped whenever the stored fields or the way they are derived change."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_DIR_VARIABLE):
+        return Path(os.environ[CACHE_DIR_VARIABLE])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergeflow"
+
+
+def spec_key(config_dir: Path, options: dict[str, Any]) -> str:
+    """A digest of config.json, the directory's Python files (remote code), transformers' version and options."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"format": FORMAT_VERSION, "transformers": _transformers_version(), **options},
+                             sort_keys=True).encode())
+    for path in [config_dir / "config.json", *sorted(config_dir.glob("*.py"))]:
+        digest.update(path.name.encode() + b"\0")
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    return digest.hexdigest()
+
+
+def cached_fields(key: str, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The stored JSON fields under `key`, or `build()`'s, which are then stored (best effort, atomically)."""
+    path = cache_dir() / SPEC_SUBDIR / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    fields = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+            json.dump(fields, file)
+        os.replace(file.name, path)
+    except OSError:
+        pass
+    return fields
+
+
+def _transformers_version() -> str:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
