@@ -351,7 +351,9 @@ def _mesh_of(
         )
     coordinates = []
     for rank, rank_positions in enumerate(positions):
-        if len(rank_positions) != 1:
+        if not rank_positions:
+            raise CheckpointError(f"{rank_files.paths[rank]} holds no DTensors, but other ranks of the checkpoint do")
+        if len(rank_positions) > 1:
             raise CheckpointError(f"the DTensors of {rank_files.paths[rank]} disagree on the rank's mesh position")
         coordinates.append(next(iter(rank_positions)).coordinate)
     if len(set(coordinates)) != len(coordinates):

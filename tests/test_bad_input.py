@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed.tensor  # the rank files hold DTensors
 
 from cli import EXIT_BAD_INPUT, main
 
@@ -198,3 +199,14 @@ def test_rank_files_that_disagree_on_keys(copy_checkpoint, target_dir, capsys):
     code = merge_cli(checkpoint, target_dir)
 
     assert_refused(capsys, code, target_dir, "disagree on keys", str(shard), '"model.norm.weight"')
+
+
+def test_rank_file_of_plain_tensors_among_dtensor_ranks(copy_checkpoint, target_dir, capsys):
+    checkpoint = copy_checkpoint("qwen2-ws2").checkpoint_dir
+    shard = checkpoint / "model_world_size_2_rank_1.pt"
+    state = torch.load(shard, weights_only=True)
+    torch.save({name: tensor.to_local() for name, tensor in state.items()}, shard)
+
+    code = merge_cli(checkpoint, target_dir)
+
+    assert_refused(capsys, code, target_dir, str(shard), "holds no DTensors")
