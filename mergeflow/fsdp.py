@@ -237,7 +237,10 @@ def _rank_tensor(tensor: torch.Tensor, name: str, path: Path) -> RankTensor:
 
     if not isinstance(tensor, DTensor):
         return RankTensor(tensor, tuple(tensor.shape), tensor.dtype)
-    coordinate = tensor.device_mesh.get_coordinate()
+    try:
+        coordinate = tensor.device_mesh.get_coordinate()
+    except AttributeError:  # a mesh pickled by a torch that did not record the saving rank's position
+        coordinate = None
     if coordinate is None:
         raise CheckpointError(f'tensor "{name}" in {path} is on a device mesh that does not hold the rank that saved it')
     mesh = MeshPosition(tuple(tensor.device_mesh.shape), tensor.device_mesh.mesh_dim_names, tuple(coordinate))
