@@ -132,6 +132,8 @@ def _rebuild_from_type(func, new_type, args, state):
 
 _DTensor = _record_class("DTensor")
 _PlainTensor = _record_class("Tensor")
+_Shard = _record_class("Shard")
+_Replicate = _record_class("Replicate")
 _STORAGE_DTYPES = {
     "BFloat16Storage": torch.bfloat16,
     "BoolStorage": torch.bool,
@@ -168,8 +170,8 @@ _GLOBALS = {
             ("torch.distributed._mesh_layout", "_FlatLayout"),
         )
     },
-    ("torch.distributed.tensor.placement_types", "Shard"): _record_class("Shard"),
-    ("torch.distributed.tensor.placement_types", "Replicate"): _record_class("Replicate"),
+    ("torch.distributed.tensor.placement_types", "Shard"): _Shard,
+    ("torch.distributed.tensor.placement_types", "Replicate"): _Replicate,
 }
 
 
@@ -291,9 +293,9 @@ def _mapped(ref: _TensorRef, records: dict[str, tuple[int, int] | None], mapping
 
 
 def _placement_name(placement) -> str:
-    if type(placement).__name__ == "Shard" and isinstance(placement.state.get("dim"), int):
+    if type(placement) is _Shard and isinstance(placement.state.get("dim"), int):
         return shard(placement.state["dim"])
-    if type(placement).__name__ == "Replicate":
+    if type(placement) is _Replicate:
         return REPLICATE
     raise UnknownPickle(f"placement {type(placement).__name__}")
 
