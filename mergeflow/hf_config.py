@@ -26,6 +26,17 @@ AUTO_CLASS_BY_SUFFIX = {
     "ForSequenceClassification": "AutoModelForSequenceClassification",
 }
 VALUE_MODEL_SUFFIX = "ForTokenClassification"
+SPEC_FIELDS = (
+    "architecture",
+    "model_class",
+    "expected_shapes",
+    "saved_shapes",
+    "tied",
+    "can_generate",
+    "is_value_model",
+    "derived_generation_config",
+)
+"""The fields `_spec_fields` derives and the spec cache stores."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,7 @@ def load_model_spec(
     fields = spec_cache.cached_fields(
         spec_cache.spec_key(config_dir, options),
         lambda: _spec_fields(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model),
+        required=SPEC_FIELDS,
     )
     spec = ModelSpec(
         config_dir=str(config_dir),

@@ -12,7 +12,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,16 @@ def spec_key(config_dir: Path, options: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def cached_fields(key: str, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The stored JSON fields under `key`, or `build()`'s, which are then stored (best effort, atomically)."""
+def cached_fields(key: str, build: Callable[[], dict[str, Any]], required: Iterable[str] = ()) -> dict[str, Any]:
+    """The stored JSON fields under `key`, or `build()`'s, which are then stored (best effort, atomically).
+
+    An entry that is not a JSON object holding every `required` field is treated as absent.
+    """
     path = cache_dir() / SPEC_SUBDIR / f"{key}.json"
     try:
-        return json.loads(path.read_text())
+        stored = json.loads(path.read_text())
+        if isinstance(stored, dict) and all(field in stored for field in required):
+            return stored
     except (OSError, ValueError):
         pass
     fields = build()

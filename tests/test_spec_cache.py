@@ -71,3 +71,13 @@ def test_unreadable_cache_entry_is_rebuilt(config_dir, empty_cache):
     entry.write_text("{not json")
 
     assert load_model_spec(config_dir) == built
+
+
+def test_cache_entry_missing_a_field_is_rebuilt(config_dir, empty_cache):
+    built = load_model_spec(config_dir)
+    (entry,) = (empty_cache / spec_cache.SPEC_SUBDIR).iterdir()
+    fields = json.loads(entry.read_text())
+    del fields["tied"]
+    entry.write_text(json.dumps(fields))
+
+    assert load_model_spec(config_dir) == built
