@@ -7,6 +7,7 @@ merge without importing transformers at all. `MERGEFLOW_CACHE_DIR` moves the cac
 `$XDG_CACHE_HOME/mergeflow` or `~/.cache/mergeflow`); an unreadable or stale entry is rebuilt.
 """
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -52,14 +53,23 @@ def cached_fields(key: str, build: Callable[[], dict[str, Any]], required: Itera
     except (OSError, ValueError):
         pass
     fields = build()
+    _store(path, fields)
+    return fields
+
+
+def _store(path: Path, fields: dict[str, Any]) -> None:
+    """Write the entry atomically; a cache that cannot be written (read-only home, full disk) is skipped."""
+    temporary: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+            temporary = Path(file.name)
             json.dump(fields, file)
-        os.replace(file.name, path)
+        os.replace(temporary, path)
     except OSError:
-        pass
-    return fields
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
 
 
 def _transformers_version() -> str:
