@@ -8,7 +8,8 @@ For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, measures
 tool in a fresh process with a cold and a warm page cache, and checks that mergeflow's and verl's
 outputs hold identical tensors. mergeflow runs first with an empty model-spec cache (a config it has
 not seen: the first merge of a training run, which imports transformers and builds the model on the
-meta device), then with the spec remembered, as for every later checkpoint of the run. verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
+meta device), then with the spec remembered, as for every later checkpoint of the run.
+verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
 """
 
 import argparse

@@ -32,7 +32,6 @@ SPEC_FIELDS = (
     "expected_shapes",
     "saved_shapes",
     "tied",
-    "can_generate",
     "is_value_model",
     "derived_generation_config",
 )
@@ -56,10 +55,10 @@ class ModelSpec:
     (MoE experts are one fused tensor in memory but one tensor per expert on disk)."""
     tied: dict[str, str]
     """Tied aliases (not written) mapped to the tensor they share, e.g. lm_head.weight -> embed_tokens."""
-    can_generate: bool
     is_value_model: bool
     derived_generation_config: str | None = None
-    """generation_config.json as transformers derives it from the model config, for checkpoints without one."""
+    """generation_config.json as transformers derives it from the model config, for checkpoints without one
+    (None for a model that does not generate)."""
 
 
 def default_config_dir(checkpoint_dir: Path) -> Path:
@@ -82,8 +81,7 @@ def load_model_spec(
         CheckpointError: config.json is missing or unreadable, or the architecture is unknown.
     """
     config_dir = Path(config_dir)
-    if not (config_dir / CONFIG_FILE).is_file():
-        load_config(config_dir)  # raises the missing-config error
+    _config_path(config_dir)
     options = {"trust_remote_code": trust_remote_code, "is_value_model": is_value_model}
     fields = spec_cache.cached_fields(
         spec_cache.spec_key(config_dir, options),
@@ -98,7 +96,6 @@ def load_model_spec(
         expected_shapes={name: tuple(shape) for name, shape in fields["expected_shapes"].items()},
         saved_shapes={name: tuple(shape) for name, shape in fields["saved_shapes"].items()},
         tied=fields["tied"],
-        can_generate=fields["can_generate"],
         is_value_model=fields["is_value_model"],
         derived_generation_config=fields["derived_generation_config"],
     )
@@ -127,7 +124,6 @@ def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: b
         "expected_shapes": expected,
         "saved_shapes": _saved_shapes(model, state) or expected,
         "tied": tied,
-        "can_generate": bool(model.can_generate()),
         "is_value_model": architecture.endswith(VALUE_MODEL_SUFFIX),
         "derived_generation_config": _derived_generation_config(config) if model.can_generate() else None,
     }
@@ -140,13 +136,19 @@ def _derived_generation_config(config: "PretrainedConfig") -> str:
     return GenerationConfig.from_model_config(config).to_json_string(use_diff=True)
 
 
-def load_config(config_dir: Path, *, trust_remote_code: bool = False) -> "PretrainedConfig":
+def _config_path(config_dir: Path) -> Path:
+    """config.json of `config_dir`, which must exist."""
     path = Path(config_dir) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(
             f"missing {path}: verl saves the model config in <checkpoint>/huggingface/; "
             "pass --hf_model_config_path DIR if it lives elsewhere"
         )
+    return path
+
+
+def load_config(config_dir: Path, *, trust_remote_code: bool = False) -> "PretrainedConfig":
+    path = _config_path(config_dir)
     from transformers import AutoConfig
 
     try:

@@ -1,9 +1,9 @@
 """Read tensor data out of rank files: explicit `pread`s at each tensor's offset in the file.
 
-`torch.load(mmap=True)` gives the tensors' metadata for free, but copying out of the mapping reads
-the file through page faults: slow on a cold page cache, and every touched page counts in RSS. The
-reader instead finds where each tensor's bytes lie in the (uncompressed) zip archive and reads
-them with large `preadv` calls into buffers that are freed as soon as a chunk is written. A tensor
+Loading a rank file (`fsdp.load_rank_state`) maps it and records where each tensor's bytes lie in
+the (uncompressed) zip archive. Copying out of the mapping reads the file through page faults: slow on
+a cold page cache, and every touched page counts in RSS. The reader instead reads at those offsets
+with large `preadv` calls into buffers that are freed as soon as a chunk is written. A tensor
 whose offset cannot be established (a compressed record, a non-contiguous view) is copied out of
 the mapping instead, and its pages are dropped right after.
 """

@@ -36,7 +36,7 @@ def spec_key(config_dir: Path, options: dict[str, Any]) -> str:
                              sort_keys=True).encode())
     for path in [config_dir / "config.json", *sorted(config_dir.glob("*.py"))]:
         digest.update(path.name.encode() + b"\0")
-        digest.update(path.read_bytes() if path.is_file() else b"")
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
