@@ -21,10 +21,13 @@ def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
     from mergeflow.fsdp import find_rank_files, index_shards
     from mergeflow.hf_config import default_config_dir, load_model_spec
     from mergeflow.planning import plan_merge
+    from mergeflow.read_ahead import read_ahead
     from mergeflow.save import save_model
 
-    spec = load_model_spec(default_config_dir(checkpoint_dir))
-    index = index_shards(find_rank_files(checkpoint_dir))
+    rank_files = find_rank_files(checkpoint_dir)
+    with read_ahead(rank_files.data_files):
+        spec = load_model_spec(default_config_dir(checkpoint_dir))
+    index = index_shards(rank_files)
     save_model(plan_merge(index, spec, dtype="bf16"), index, spec, target_dir, progress=False)
 
 

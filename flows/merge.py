@@ -20,6 +20,7 @@ from mergeflow.megatron import MegatronLayout
 from mergeflow.model_card import MergeFacts
 from mergeflow.output import check_target, resumable_staging
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
+from mergeflow.read_ahead import read_ahead
 from mergeflow.run_layout import label_of
 from mergeflow.validation import ValidationReport
 from tasks.cache import MERGE_CACHE, recorded_merge
@@ -103,13 +104,14 @@ def merge_model(
         facts = merge_facts(source.checkpoint_dir, source.world_size, staged, report, options, started)
         write_card(staged.target_dir, facts)
         return publish(staged, target_dir, overwrite=overwrite)
-    spec = load_config(
-        local_dir,
-        options.hf_model_config_path or default_config_dir_of(source),
-        trust_remote_code=options.trust_remote_code,
-        is_value_model=options.is_value_model,
-        tie_word_embedding=options.tie_word_embedding,
-    )
+    with read_ahead(source.data_files):
+        spec = load_config(
+            local_dir,
+            options.hf_model_config_path or default_config_dir_of(source),
+            trust_remote_code=options.trust_remote_code,
+            is_value_model=options.is_value_model,
+            tie_word_embedding=options.tie_word_embedding,
+        )
     index = load_shards(source, spec)
     lora, adapter = extract_lora(
         index, spec, merge_lora=options.merge_lora, lora_alpha=options.lora_alpha, dtype=options.dtype

@@ -51,6 +51,11 @@ class RankFiles:
     paths: tuple[str, ...]
     fsdp_version: int | None = None
 
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The files holding tensor data: the rank files themselves."""
+        return self.paths
+
 
 @dataclass(frozen=True)
 class SourceTensor:

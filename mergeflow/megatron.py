@@ -182,6 +182,13 @@ class MegatronLayout:
         """Ranks that wrote the archive (1 when there is none)."""
         return _writer_ranks(Path(self.dist_ckpt_dir)) if self.dist_ckpt_dir else 1
 
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The archive's tensor data files (none for an mbridge run, whose weights are copied)."""
+        if self.dist_ckpt_dir is None or self.hf_weights:
+            return ()
+        return tuple(sorted(str(path) for path in Path(self.dist_ckpt_dir).iterdir() if DATA_FILE.match(path.name)))
+
 
 @dataclass(frozen=True)
 class Geometry:

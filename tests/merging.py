@@ -11,6 +11,7 @@ from mergeflow.hf_config import default_config_dir, load_model_spec
 from mergeflow.lora import plan_lora
 from mergeflow.manifest import SavedModel
 from mergeflow.planning import plan_adapter, plan_merge
+from mergeflow.read_ahead import read_ahead
 from mergeflow.save import save_model
 from mergeflow.streaming import CHUNK_BYTES
 
@@ -24,8 +25,10 @@ def merge_with_engine(checkpoint_dir: Path, target_dir: Path, **options) -> Save
     chunk_bytes = options.pop("chunk_bytes", CHUNK_BYTES)
     merge_lora = options.pop("merge_lora", False)
     lora_alpha = options.pop("lora_alpha", None)
-    spec = load_model_spec(default_config_dir(checkpoint_dir))
-    index = index_shards(find_rank_files(checkpoint_dir))
+    rank_files = find_rank_files(checkpoint_dir)
+    with read_ahead(rank_files.data_files):
+        spec = load_model_spec(default_config_dir(checkpoint_dir))
+    index = index_shards(rank_files)
     lora = plan_lora(index, spec, merge=merge_lora, lora_alpha=lora_alpha)
     adapter = plan_adapter(index, lora, **options) if lora is not None and not lora.merge else None
     lora_only = lora is not None and lora.lora_only
