@@ -3,16 +3,18 @@
     python -m bench.run --workdir /data/mergeflow-bench [--models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b]
                         [--verl-models qwen2.5-0.5b qwen2.5-1.5b] [--json bench/results/bench.json]
 
-For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, measures the I/O floor
-(`cat` of the shards from a cold page cache, plus writing the output's size once), then runs each
-tool in a fresh process with a cold and a warm page cache, and checks that mergeflow's and verl's
-outputs hold identical tensors. mergeflow runs first with an empty model-spec cache (a config it has
+For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, runs each tool in a fresh
+process with a cold and a warm page cache, and checks that mergeflow's and verl's outputs hold
+identical tensors. The I/O floor (`cat` of the shards from a cold page cache, plus
+writing the output's size once) is measured three times, after mergeflow's runs and after each of
+verl's, and the median counts. mergeflow runs first with an empty model-spec cache (a config it has
 not seen: the first merge of a training run, which imports transformers and builds the model on the
 meta device), then with the spec remembered, as for every later checkpoint of the run.
 verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
 """
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -35,6 +37,7 @@ WRITE_BLOCK = 64 * 1024 * 1024
 GB = 1e9
 QUIET_SECONDS = 2.0
 QUIET_TIMEOUT_SECONDS = 300.0
+FLOOR_SAMPLES = 3
 
 
 def shard_files(checkpoint_dir: Path) -> list[Path]:
@@ -117,6 +120,12 @@ def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool, sp
     return {**measured, "cache": "cold" if cold else "warm"}
 
 
+def median_floor(floors: list[dict[str, float]]) -> dict[str, float]:
+    """The middle of the floors measured after mergeflow's runs and after each of verl's (the disk's speed
+    drifts over minutes; one sample can catch it at its fastest or slowest)."""
+    return sorted(floors, key=lambda floor: floor["cat_seconds"] + floor["write_seconds"])[len(floors) // 2]
+
+
 def mergeflow_runs(checkpoint_dir: Path, target: Path, spec_cache: Path) -> list[dict]:
     """Cold with a config mergeflow has not seen (spec built from transformers), then cold and warm with it
     remembered, as for every later checkpoint of the same run."""
@@ -167,18 +176,25 @@ def bench_model(model: str, workdir: Path, with_verl: bool) -> dict:
     outputs = {tool: workdir / "outputs" / f"{model}-{tool}" for tool in ("mergeflow", "verl")}
     spec_cache = workdir / "spec-cache"
     runs = [{"model": model, **run} for run in mergeflow_runs(checkpoint_dir, outputs["mergeflow"], spec_cache)]
+    floor_of_output = functools.partial(
+        io_floor, checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin"
+    )
+    floors = [floor_of_output()]
     for cold in (True, False) if with_verl else ():
         print(f"{model}: verl ({'cold' if cold else 'warm'} cache) ...", flush=True)
         target = outputs["verl"] if cold else warm_target(outputs["verl"])
         runs.append({"model": model, **run_job("verl", checkpoint_dir, target, cold=cold, spec_cache=spec_cache)})
         if not cold:
             shutil.rmtree(target)
-    floor = io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin")
+        floors.append(floor_of_output())
+    while len(floors) < FLOOR_SAMPLES:
+        floors.append(floor_of_output())
     result = {
         "model": model,
         "shard_bytes": shard_bytes,
         "output_bytes": output_bytes(outputs["mergeflow"]),
-        **floor,
+        **median_floor(floors),
+        "floor_samples": floors,
         "runs": runs,
         "identical_to_verl": identical_outputs(outputs["mergeflow"], outputs["verl"]) if with_verl else None,
     }
@@ -202,10 +218,14 @@ def table(results: list[dict]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = [" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "-+-".join("-" * width for width in widths))
-    floors = [f"{r['model']}: cat {r['cat_seconds']:.1f}s + write {r['write_seconds']:.1f}s, "
-              f"{r['shard_bytes'] / GB:.2f} GB -> {r['output_bytes'] / GB:.2f} GB, "
+    floors = [f"{r['model']}: cat {r['cat_seconds']:.1f}s + write {r['write_seconds']:.1f}s "
+              f"(median of {samples(r)}), {r['shard_bytes'] / GB:.2f} GB -> {r['output_bytes'] / GB:.2f} GB, "
               f"identical to verl: {r['identical_to_verl']}" for r in results]
-    return "\n".join([*lines, "", "I/O floor (same run):", *floors])
+    return "\n".join([*lines, "", "I/O floor (same run; median of three samples, cat + write):", *floors])
+
+
+def samples(result: dict) -> str:
+    return ", ".join(f"{floor['cat_seconds']:.1f}+{floor['write_seconds']:.1f}" for floor in result["floor_samples"])
 
 
 def main() -> None:
