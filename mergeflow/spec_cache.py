@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ CACHE_DIR_VARIABLE = "MERGEFLOW_CACHE_DIR"
 SPEC_SUBDIR = "model-specs"
 FORMAT_VERSION = 1
 """Bumped whenever the stored fields or the way they are derived change."""
+
+_builder_locks: dict[str, threading.Lock] = {}
+_builder_locks_guard = threading.Lock()
 
 
 def cache_dir() -> Path:
@@ -46,15 +50,33 @@ def cached_fields(key: str, build: Callable[[], dict[str, Any]], required: Itera
     An entry that is not a JSON object holding every `required` field is treated as absent.
     """
     path = cache_dir() / SPEC_SUBDIR / f"{key}.json"
+    required = tuple(required)
+    stored = _stored_fields(path, required)
+    if stored is not None:
+        return stored
+    with _builder_lock(key):
+        stored = _stored_fields(path, required)
+        if stored is not None:
+            return stored
+        fields = build()
+        _store(path, fields)
+    return fields
+
+
+def _stored_fields(path: Path, required: tuple[str, ...]) -> dict[str, Any] | None:
     try:
         stored = json.loads(path.read_text())
-        if isinstance(stored, dict) and all(field in stored for field in required):
-            return stored
     except (OSError, ValueError):
-        pass
-    fields = build()
-    _store(path, fields)
-    return fields
+        return None
+    if isinstance(stored, dict) and all(field in stored for field in required):
+        return stored
+    return None
+
+
+def _builder_lock(key: str) -> threading.Lock:
+    """One lock per key: threads asking for the same spec at once (a warm-up and the flow) build it once."""
+    with _builder_locks_guard:
+        return _builder_locks.setdefault(key, threading.Lock())
 
 
 def _store(path: Path, fields: dict[str, Any]) -> None:

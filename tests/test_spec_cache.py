@@ -4,6 +4,9 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -81,3 +84,23 @@ def test_cache_entry_missing_a_field_is_rebuilt(config_dir, empty_cache):
     entry.write_text(json.dumps(fields))
 
     assert load_model_spec(config_dir) == built
+
+
+def test_concurrent_requests_for_one_spec_build_it_once(empty_cache):
+    builds = []
+    started = threading.Barrier(4)
+
+    def build():
+        builds.append(1)
+        time.sleep(0.2)
+        return {"field": 1}
+
+    def request():
+        started.wait()
+        return spec_cache.cached_fields("one-key", build, required=("field",))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: request(), range(4)))
+
+    assert results == [{"field": 1}] * 4
+    assert len(builds) == 1

@@ -1,0 +1,56 @@
+"""Prepare a merge on a background thread while the pipeline starts (a temporary Prefect server takes
+seconds to come up, with the CPU and the disk idle).
+
+The warm-up builds the model spec into the spec cache, reading the checkpoint's files ahead meanwhile,
+so the pipeline's config step finds the spec ready (or waits for the build already under way instead
+of starting a second one). It changes nothing the merge writes: any problem it meets is left for the
+pipeline to report, with its context.
+"""
+
+import threading
+from pathlib import Path
+
+from mergeflow.fsdp import find_rank_files
+from mergeflow.hf_config import default_config_dir, load_model_spec
+from mergeflow.megatron import find_megatron_checkpoint
+from mergeflow.read_ahead import read_ahead
+
+
+def start_warm_up(
+    local_dir: str,
+    backend: str = "fsdp",
+    hf_model_config_path: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+    is_value_model: bool = False,
+) -> threading.Thread:
+    """Start warming up the merge of `local_dir` (a daemon thread: it never keeps the process alive)."""
+    thread = threading.Thread(
+        target=_warm_up,
+        args=(Path(local_dir), backend, hf_model_config_path, trust_remote_code, is_value_model),
+        name="mergeflow-warm-up",
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def _warm_up(
+    local_dir: Path, backend: str, hf_model_config_path: str | None, trust_remote_code: bool, is_value_model: bool
+) -> None:
+    try:
+        if backend == "megatron":
+            layout = find_megatron_checkpoint(local_dir)
+            if layout.hf_weights:
+                return
+            data_files, config_dir = layout.data_files, Path(layout.hf_dir)
+        else:
+            data_files, config_dir = find_rank_files(local_dir).data_files, default_config_dir(local_dir)
+        with read_ahead(data_files):
+            load_model_spec(
+                Path(hf_model_config_path) if hf_model_config_path else config_dir,
+                trust_remote_code=trust_remote_code,
+                is_value_model=is_value_model,
+            )
+    except Exception:  # the pipeline meets the same problem and reports it
+        return
