@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from mergeflow import spec_cache
 from mergeflow.errors import CheckpointError
@@ -31,11 +32,23 @@ SPEC_FIELDS = (
     "model_class",
     "expected_shapes",
     "saved_shapes",
+    "saved_views",
     "tied",
     "is_value_model",
     "derived_generation_config",
 )
 """The fields `_spec_fields` derives and the spec cache stores."""
+
+
+@dataclass(frozen=True)
+class SavedView:
+    """A tensor as `save_pretrained` writes it, as a strided view of one in-memory tensor: one expert's
+    `gate_proj` is rows of the fused `experts.gate_up_proj`. A plain rename has the source's own layout."""
+
+    source: str
+    stride: tuple[int, ...]
+    offset: int
+    """Elements from the start of the (contiguous) source."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,9 @@ class ModelSpec:
     saved_shapes: dict[str, tuple[int, ...]]
     """The same tensors under the names `save_pretrained` writes, where transformers converts them on load
     (MoE experts are one fused tensor in memory but one tensor per expert on disk)."""
+    saved_views: dict[str, "SavedView"]
+    """Where each saved tensor lies in the in-memory tensors, for a model whose saved names differ
+    (empty when they are the same)."""
     tied: dict[str, str]
     """Tied aliases (not written) mapped to the tensor they share, e.g. lm_head.weight -> embed_tokens."""
     is_value_model: bool
@@ -95,6 +111,9 @@ def load_model_spec(
         trust_remote_code=trust_remote_code,
         expected_shapes={name: tuple(shape) for name, shape in fields["expected_shapes"].items()},
         saved_shapes={name: tuple(shape) for name, shape in fields["saved_shapes"].items()},
+        saved_views={
+            name: SavedView(source, tuple(stride), offset) for name, (source, stride, offset) in fields["saved_views"].items()
+        },
         tied=fields["tied"],
         is_value_model=fields["is_value_model"],
         derived_generation_config=fields["derived_generation_config"],
@@ -118,11 +137,13 @@ def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: b
     tied = _tied_aliases(model)
     state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
     expected = {name: list(tensor.shape) for name, tensor in state.items()}
+    saved_shapes, saved_views = _saved_layout(model, state)
     return {
         "architecture": architecture,
         "model_class": model_class,
         "expected_shapes": expected,
-        "saved_shapes": _saved_shapes(model, state) or expected,
+        "saved_shapes": saved_shapes or expected,
+        "saved_views": saved_views,
         "tied": tied,
         "is_value_model": architecture.endswith(VALUE_MODEL_SUFFIX),
         "derived_generation_config": _derived_generation_config(config) if model.can_generate() else None,
@@ -220,16 +241,47 @@ def _meta_model(model_class: str, config: "PretrainedConfig", trust_remote_code:
         raise CheckpointError(f"cannot build {model_class} from {config_dir / CONFIG_FILE}: {e}") from e
 
 
-def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    """The shapes of the state dict as `save_pretrained` writes it, by transformers' own reverse conversion
-    (empty where there is none to apply: transformers 4, or a remote-code model it cannot convert)."""
+def _saved_layout(
+    model: torch.nn.Module, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """The state dict's shapes as `save_pretrained` writes it, and where each of its tensors lies in the
+    in-memory ones, found by transformers' own reverse conversion (`revert_weight_conversion`).
+
+    The conversion is run on fresh meta tensors with `contiguous()` made a no-op, so what it returns
+    is a view of the in-memory tensor it comes from: its strides and offset say where it lies. Views
+    are empty when the names are the same as in memory, or when a saved tensor is not a view of one
+    in-memory tensor (a conversion that computes or concatenates); shapes are empty where there is no
+    conversion to apply (transformers 4, or a remote-code model it cannot convert).
+    """
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
-        saved = revert_weight_conversion(model, dict(state))
+        shapes = {name: list(tensor.shape) for name, tensor in revert_weight_conversion(model, dict(state)).items()}
+        probes = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") for name, tensor in state.items()}
+        with _ContiguousAsIs():
+            saved = revert_weight_conversion(model, dict(probes))
     except Exception:
-        return {}
-    return {name: list(tensor.shape) for name, tensor in saved.items()}
+        return {}, {}
+    if {name: list(tensor.shape) for name, tensor in saved.items()} != shapes:
+        return shapes, {}
+    source_of = {id(probe): name for name, probe in probes.items()}
+    views = {}
+    for name, tensor in saved.items():
+        base = tensor if id(tensor) in source_of else tensor._base
+        if base is None or id(base) not in source_of:
+            return shapes, {}
+        views[name] = [source_of[id(base)], list(tensor.stride()), tensor.storage_offset()]
+    unchanged = all(saved[name] is probes.get(name) for name in saved)
+    return shapes, {} if unchanged else views
+
+
+class _ContiguousAsIs(TorchFunctionMode):
+    """`Tensor.contiguous()` returns the tensor itself, so a conversion's result stays a view of its input."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:

@@ -1,16 +1,18 @@
 """Planned output tensors, read from the rank files a block of rows at a time: copied and cast, or, for
-weights with a LoRA fold, computed in float32 with the LoRA added, then cast.
+weights with a LoRA fold, computed in float32 with the LoRA added, then cast, or, for a tensor that is a
+part of its source (one expert of a fused MoE tensor), copied out of the source rows it lies in.
 
 Folding is row-local (`W[rows] += s · B[rows]·A`, DoRA's norms are per row), so it streams like a copy;
 the LoRA factors themselves are small (rank × width) and read whole.
 """
 
+import math
 from collections.abc import Iterator
 
 import torch
 
 from mergeflow.dtypes import parse_dtype_name
-from mergeflow.fsdp import ShardIndex
+from mergeflow.fsdp import ShardIndex, SourceTensor
 from mergeflow.lora import LoraFold
 from mergeflow.planning import OutputTensor
 from mergeflow.rank_reader import RankReader
@@ -76,14 +78,46 @@ class FsdpTensors:
     def __init__(self, index: ShardIndex):
         self._index = index
         self._reader = RankReader(index.rank_files)
+        self._last_piece: tuple[tuple, torch.Tensor] | None = None
 
     def chunks(self, tensor: OutputTensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-        return output_chunks(tensor, self._index, self._reader, chunk_bytes)
+        if tensor.view is None:
+            return output_chunks(tensor, self._index, self._reader, chunk_bytes)
+        ranges = row_ranges(tensor.shape, parse_dtype_name(tensor.dtype).itemsize, chunk_bytes)
+        return (self._viewed_rows(tensor, start, stop) for start, stop in ranges)
 
     def rows(self, tensor: OutputTensor, start: int, stop: int) -> torch.Tensor:
-        return output_rows(tensor, self._index, self._reader, start, stop)
+        if tensor.view is None:
+            return output_rows(tensor, self._index, self._reader, start, stop)
+        return self._viewed_rows(tensor, start, stop)
+
+    def _viewed_rows(self, tensor: OutputTensor, start: int, stop: int) -> torch.Tensor:
+        """Rows `[start, stop)` of a tensor that is a strided view of its source (one expert of a fused
+        tensor): the source rows the view's elements lie in are read, cast, and the view copied out."""
+        dtype = parse_dtype_name(tensor.dtype)
+        shape = (stop - start, *tensor.shape[1:]) if tensor.shape else ()
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        stride = tensor.view.stride
+        first = tensor.view.offset + (start * stride[0] if shape else 0)
+        last = first + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+        source = self._index.tensors[tensor.source]
+        row = math.prod(source.shape[1:])
+        low, high = first // row, last // row + 1
+        return torch.as_strided(self._piece(source, low, high, dtype), shape, stride, first - low * row).contiguous()
+
+    def _piece(self, source: SourceTensor, low: int, high: int, dtype: torch.dtype) -> torch.Tensor:
+        """Source rows `[low, high)` in `dtype`; the last piece is kept, as consecutive tensors (one
+        expert's gate and up projections) are views of the same rows."""
+        key = (source.name, low, high, dtype)
+        if self._last_piece is None or self._last_piece[0] != key:
+            self._last_piece = None
+            rows = assemble_rows(source, low, high, dtype, self._reader.copy_rows_of(source.name))
+            self._last_piece = (key, rows)
+        return self._last_piece[1]
 
     def close(self) -> None:
+        self._last_piece = None
         self._reader.close()
 
 

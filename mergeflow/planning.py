@@ -14,7 +14,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, parse_dtype_name
 from mergeflow.errors import OptionError, PlanError, quoted
 from mergeflow.fsdp import ShardIndex, SourceTensor
-from mergeflow.hf_config import ModelSpec
+from mergeflow.hf_config import ModelSpec, SavedView
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ class OutputTensor:
     dtype: str
     fold: LoraFold | None = None
     """A LoRA to fold into this weight as it is written."""
+    view: SavedView | None = None
+    """Where this tensor lies in the source, when it is a part of it (one expert of a fused tensor)."""
 
     @property
     def nbytes(self) -> int:
@@ -97,12 +99,13 @@ def plan_merge(
     tensors = {
         name: OutputTensor(
             name=name,
-            source=source.name,
-            shape=source.shape,
-            dtype=dtype_name(output_dtype(parse_dtype_name(source.dtype), dtype)),
-            fold=folds.get(name),
+            source=kept[kept_name].name,
+            shape=shape,
+            dtype=dtype_name(output_dtype(parse_dtype_name(kept[kept_name].dtype), dtype)),
+            fold=folds.get(kept_name),
+            view=view,
         )
-        for name, source in kept.items()
+        for name, (kept_name, shape, view) in _output_layout(spec, kept, folds).items()
     }
     split = _split_into_files(tensors, max_shard_size)
     return MergePlan(
@@ -154,9 +157,46 @@ def _check_dtype(dtype: str) -> None:
 def expected_shapes(spec: ModelSpec, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
     """The config's tensors under the naming the checkpoint uses: as in memory (FSDP state dicts) or as
     `save_pretrained` writes them (Megatron merges write per-expert MoE tensors)."""
+    return spec.saved_shapes if _has_saved_names(spec, names) else spec.expected_shapes
+
+
+def _has_saved_names(spec: ModelSpec, names: Iterable[str]) -> bool:
     names = set(names)
-    in_memory, saved = spec.expected_shapes, spec.saved_shapes
-    return saved if len(names & saved.keys()) > len(names & in_memory.keys()) else in_memory
+    return len(names & spec.saved_shapes.keys()) > len(names & spec.expected_shapes.keys())
+
+
+def _output_layout(
+    spec: ModelSpec, kept: dict[str, SourceTensor], folds: dict[str, LoraFold]
+) -> dict[str, tuple[str, tuple[int, ...], SavedView | None]]:
+    """Each output tensor's name, the kept tensor it comes from, its shape, and its view of it.
+
+    A checkpoint in the in-memory naming of a model that saves under other names (transformers 5's
+    fused MoE experts, saved one tensor per expert) is written as `save_pretrained` writes it: every
+    saved tensor a view of the kept tensor it comes from. Tensors the config does not declare keep
+    their names. A LoRA folded into a tensor that would be split keeps the in-memory names throughout.
+    """
+    as_kept = {name: (name, source.shape, None) for name, source in kept.items()}
+    if not spec.saved_views or _has_saved_names(spec, kept):
+        return as_kept
+    saved = {name: view for name, view in spec.saved_views.items() if view.source in kept}
+    layout = {}
+    for name, view in saved.items():
+        shape, source_shape = spec.saved_shapes[name], kept[view.source].shape
+        whole = shape == source_shape and view.offset == 0 and view.stride == _contiguous_strides(shape)
+        if not whole and view.source in folds:
+            return as_kept
+        layout[name] = (view.source, shape, None if whole else view)
+    split = {view.source for view in saved.values()}
+    layout.update({name: entry for name, entry in as_kept.items() if name not in split})
+    return layout
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _check_against_config(

@@ -20,7 +20,7 @@ from typing import Any
 
 CACHE_DIR_VARIABLE = "MERGEFLOW_CACHE_DIR"
 SPEC_SUBDIR = "model-specs"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bumped whenever the stored fields or the way they are derived change."""
 
 _builder_locks: dict[str, threading.Lock] = {}

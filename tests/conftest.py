@@ -36,6 +36,9 @@ FIXTURE_SPECS = [
     FixtureSpec("qwen2-fsdp1-ws3", world_size=3, fsdp_version=1, dtype="bf16"),
     FixtureSpec("qwen2-untied-ws4", world_size=4, tie=False),
     FixtureSpec("qwen2-hsdp-2x2", world_size=4, mesh_shape=(2, 2), mesh_dim_names=("ddp", "fsdp")),
+    FixtureSpec("qwen3moe-ws2", model="qwen3_moe", world_size=2, tie=False),
+    FixtureSpec("mixtral-ws3", model="mixtral", world_size=3, tie=False),
+    FixtureSpec("qwen2moe-fsdp1-ws2", model="qwen2_moe", world_size=2, fsdp_version=1, tie=False),
     FixtureSpec(
         "llama-fsdp1-hsdp-2x2",
         model="llama",

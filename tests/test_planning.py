@@ -4,7 +4,7 @@ import pytest
 
 from mergeflow.errors import OptionError, PlanError
 from mergeflow.fsdp import ShardIndex, SourceTensor
-from mergeflow.hf_config import ModelSpec
+from mergeflow.hf_config import ModelSpec, SavedView
 from mergeflow.placement import Block
 from mergeflow.planning import plan_merge
 
@@ -17,10 +17,33 @@ def index_of(shapes: dict[str, tuple[int, ...]], dtype: str = "float32") -> Shar
     return ShardIndex("/ckpt", 1, ("/ckpt/model_world_size_1_rank_0.pt",), (1,), ("fsdp",), tensors, {})
 
 
-def spec_of(shapes: dict[str, tuple[int, ...]], tied: dict[str, str] | None = None) -> ModelSpec:
+def spec_of(
+    shapes: dict[str, tuple[int, ...]],
+    tied: dict[str, str] | None = None,
+    saved: dict[str, tuple[tuple[int, ...], SavedView]] | None = None,
+) -> ModelSpec:
+    """A spec whose model holds `shapes`; `saved` gives the names it saves under, with their views."""
     return ModelSpec(
-        "/ckpt/huggingface", "TinyForCausalLM", "TinyForCausalLM", False, shapes, shapes, tied or {}, True, False
+        config_dir="/ckpt/huggingface",
+        architecture="TinyForCausalLM",
+        model_class="TinyForCausalLM",
+        trust_remote_code=False,
+        expected_shapes=shapes,
+        saved_shapes={name: shape for name, (shape, _) in saved.items()} if saved else shapes,
+        saved_views={name: view for name, (_, view) in saved.items()} if saved else {},
+        tied=tied or {},
+        is_value_model=False,
     )
+
+
+FUSED = {"experts.gate_up": (2, 6, 4), "norm.weight": (4,)}
+PER_EXPERT = {
+    "experts.0.gate.weight": ((3, 4), SavedView("experts.gate_up", (4, 1), 0)),
+    "experts.0.up.weight": ((3, 4), SavedView("experts.gate_up", (4, 1), 12)),
+    "experts.1.gate.weight": ((3, 4), SavedView("experts.gate_up", (4, 1), 24)),
+    "experts.1.up.weight": ((3, 4), SavedView("experts.gate_up", (4, 1), 36)),
+    "norm.weight": ((4,), SavedView("norm.weight", (1,), 0)),
+}
 
 
 SHAPES = {"embed.weight": (10, 4), "norm.weight": (4,), "head.weight": (10, 4)}
@@ -83,3 +106,29 @@ def test_unknown_dtype_is_refused():
 def test_unreadable_max_shard_size_is_refused():
     with pytest.raises(OptionError, match="invalid max shard size"):
         plan_merge(index_of(SHAPES), spec_of(SHAPES), max_shard_size="lots")
+
+
+def test_in_memory_names_are_written_under_the_names_the_model_saves():
+    plan = plan_merge(index_of(FUSED), spec_of(FUSED, saved=PER_EXPERT), dtype="keep")
+
+    assert {name: (t.source, t.shape) for name, t in plan.tensors.items()} == {
+        name: (view.source, shape) for name, (shape, view) in PER_EXPERT.items()
+    }
+    assert plan.tensors["experts.1.up.weight"].view == SavedView("experts.gate_up", (4, 1), 36)
+    assert plan.tensors["norm.weight"].view is None
+    assert plan.total_size == (48 + 4) * 4
+
+
+def test_a_checkpoint_in_saved_names_is_written_as_it_is():
+    saved_names = {name: shape for name, (shape, _) in PER_EXPERT.items()}
+
+    plan = plan_merge(index_of(saved_names), spec_of(FUSED, saved=PER_EXPERT), dtype="keep")
+
+    assert {name: (t.source, t.view) for name, t in plan.tensors.items()} == {name: (name, None) for name in saved_names}
+
+
+def test_a_tensor_the_config_does_not_declare_keeps_its_name_beside_saved_names():
+    plan = plan_merge(index_of({**FUSED, "extra.bias": (2,)}), spec_of(FUSED, saved=PER_EXPERT), dtype="keep")
+
+    assert plan.tensors["extra.bias"].source == "extra.bias"
+    assert plan.unexpected == ("extra.bias",)

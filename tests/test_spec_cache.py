@@ -104,3 +104,14 @@ def test_concurrent_requests_for_one_spec_build_it_once(empty_cache):
 
     assert results == [{"field": 1}] * 4
     assert len(builds) == 1
+
+
+def test_cached_spec_of_a_model_saved_per_expert_keeps_its_views(fixtures, tmp_path, empty_cache):
+    config_dir = tmp_path / "moe"
+    shutil.copytree(fixtures["qwen3moe-ws2"].checkpoint_dir / "huggingface", config_dir)
+    built = load_model_spec(config_dir)
+
+    cached = load_model_spec(config_dir)
+
+    assert cached == built
+    assert cached.saved_views and all(view.source in cached.expected_shapes for view in cached.saved_views.values())
