@@ -66,7 +66,7 @@ class ModelSpec:
     saved_shapes: dict[str, tuple[int, ...]]
     """The same tensors under the names `save_pretrained` writes, where transformers converts them on load
     (MoE experts are one fused tensor in memory but one tensor per expert on disk)."""
-    saved_views: dict[str, "SavedView"]
+    saved_views: dict[str, SavedView]
     """Where each saved tensor lies in the in-memory tensors, for a model whose saved names differ
     (empty when they are the same)."""
     tied: dict[str, str]

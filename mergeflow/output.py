@@ -62,7 +62,7 @@ def publish(staging: Path, target_dir: Path, *, overwrite: bool) -> None:
 
 def _replace(staging: Path, target_dir: Path) -> None:
     os.chmod(staging, 0o755)
-    _fsync_dir(staging)
+    _fsync_tree(staging)
     if not target_dir.exists():
         os.rename(staging, target_dir)
     elif not any(target_dir.iterdir()):
@@ -73,11 +73,19 @@ def _replace(staging: Path, target_dir: Path) -> None:
         os.rename(target_dir, trash / target_dir.name)
         os.rename(staging, target_dir)
         shutil.rmtree(trash, ignore_errors=True)
-    _fsync_dir(target_dir.parent)
+    _fsync_path(target_dir.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file and directory under `folder` to the device, so that once the rename makes the
+    model visible, a power loss cannot leave it with empty or partial files."""
+    for path in sorted(folder.rglob("*"), key=lambda path: path.is_dir()):
+        _fsync_path(path)
+    _fsync_path(folder)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

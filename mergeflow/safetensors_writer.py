@@ -131,6 +131,7 @@ class AlignedFile:
             self._view[tail:padded] = bytes(padded - tail)
             self._flush(padded, data_bytes=tail)
             os.ftruncate(self._fd, self.size)
+            os.fsync(self._fd)  # on the device before it is renamed into place and vouched for by its marker
         finally:
             self.abort()
 

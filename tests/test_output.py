@@ -85,3 +85,18 @@ def test_target_that_is_a_file_is_refused(tmp_path):
 
     with pytest.raises(OutputError, match="is a file"), staged_output(target, overwrite=True):
         pass
+
+
+def test_every_file_is_flushed_to_the_device_before_the_model_appears(fixtures, tmp_path, monkeypatch):
+    flushed = []
+    fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        flushed.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+
+    merge_with_engine(fixtures["qwen2-ws2"].checkpoint_dir, tmp_path / "out")
+
+    assert set(os.listdir(tmp_path / "out")) <= set(flushed)
