@@ -14,7 +14,7 @@ from mergeflow.lora import infer_lora_config
 from mergeflow.validation import validate_model_dir
 from tests.merging import INPUT_IDS, load_weights, merge_with_engine, model_class
 
-ADAPTER_FIXTURES = ["lora-ws2", "dora-llama-ws3", "lora-value-ws2"]
+ADAPTER_FIXTURES = ["lora-ws2", "dora-llama-ws3", "lora-value-ws2", "lora-vl-ws2"]
 FOLDED_LOGITS_ATOL = {torch.float32: 1e-5}
 """Folding reorders float32 arithmetic (W + s·BA once, instead of x·W + s·(x·A)·B per input)."""
 
@@ -109,10 +109,11 @@ def test_folded_model_gives_the_trained_models_logits(fixtures, merged_lora, nam
 
 
 @pytest.mark.parametrize("name", ADAPTER_FIXTURES)
-def test_folded_bf16_weights_are_peft_merge_and_unload_rounded_to_bf16(fixtures, merged_lora, name):
+def test_folded_bf16_weights_are_peft_merge_and_unload_rounded_to_bf16(fixtures, merged_lora, name, tmp_path):
     ours = load_weights(merged_lora(name, "bf16", merge_lora=True))
 
-    theirs = trained_model(fixtures[name]).merge_and_unload().state_dict()
+    trained_model(fixtures[name]).merge_and_unload().save_pretrained(tmp_path)  # under the names it saves
+    theirs = load_weights(tmp_path)
 
     for key, tensor in ours.items():
         expected = theirs[key].to(torch.bfloat16).float()
