@@ -85,12 +85,15 @@ LORA_FIXTURE_SPECS = [
     ),
 ]
 LORA_FIXTURE_NAMES = [spec.name for spec in LORA_FIXTURE_SPECS]
+REMOTE_CODE_SPEC = FixtureSpec("remote-code-ws2", tie=False, remote_code=True)
 
 
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every fixture checkpoint, written once per session by real torch FSDP on gloo."""
-    return write_fixtures(FIXTURE_SPECS + LORA_FIXTURE_SPECS, tmp_path_factory.mktemp("fixtures"))
+    return write_fixtures(
+        [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC], tmp_path_factory.mktemp("fixtures")
+    )
 
 
 MEGATRON_FIXTURE_SPECS = [
