@@ -44,3 +44,22 @@ def test_worker_count_must_be_a_positive_number(spec):
 
 def test_dask_address_names_the_scheduler():
     assert task_runner_from("dask://10.0.0.5:8786").address == "tcp://10.0.0.5:8786"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_an_existing_clusters_scheduler_runs_the_shards(fixtures, tmp_path):
+    from distributed import LocalCluster
+
+    checkpoint = str(fixtures["qwen2-ws2"].checkpoint_dir)
+    on_threads, on_cluster = tmp_path / "threads", tmp_path / "cluster"
+    merge_checkpoint(local_dir=checkpoint, target_dir=str(on_threads), max_shard_size=SHARD_SIZE, progress=False)
+
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=None) as cluster:
+        address = cluster.scheduler_address.removeprefix("tcp:")
+        saved = merge_checkpoint.with_options(task_runner=task_runner_from(f"dask:{address}"))(
+            local_dir=checkpoint, target_dir=str(on_cluster), max_shard_size=SHARD_SIZE, progress=False
+        )
+
+    assert len(saved.weight_files) > 1
+    assert merged_files(on_cluster) == merged_files(on_threads)
