@@ -73,6 +73,7 @@ LORA_FIXTURE_SPECS = [
         lora={**LORA, "target_modules": ["q_proj", "o_proj", "gate_proj"], "use_dora": True},
     ),
     FixtureSpec("lora-only-ws2", lora={**LORA, "target_modules": ["q_proj", "up_proj"]}, lora_only=True),
+    FixtureSpec("lora-moe-ws2", model="qwen3_moe", tie=False, lora={**LORA, "target_modules": ["q_proj", "o_proj"]}),
     FixtureSpec(  # a vision-language model, saved under other names than it holds
         "lora-vl-ws2", model="qwen2_5_vl", tie=False, lora={**LORA, "target_modules": ["q_proj", "v_proj", "down_proj"]}
     ),

@@ -14,7 +14,7 @@ from mergeflow.lora import infer_lora_config
 from mergeflow.validation import validate_model_dir
 from tests.merging import INPUT_IDS, load_weights, merge_with_engine, model_class
 
-ADAPTER_FIXTURES = ["lora-ws2", "dora-llama-ws3", "lora-value-ws2", "lora-vl-ws2"]
+ADAPTER_FIXTURES = ["lora-ws2", "dora-llama-ws3", "lora-value-ws2", "lora-moe-ws2", "lora-vl-ws2"]
 FOLDED_LOGITS_ATOL = {torch.float32: 1e-5}
 """Folding reorders float32 arithmetic (W + s·BA once, instead of x·W + s·(x·A)·B per input)."""
 
