@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import transformers
 
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
@@ -207,6 +206,8 @@ def compare_logits(model_dir: Path, reference_dir: Path) -> LogitsCheck:
             f"logits not compared: two {weights / 1e9:.1f} GB models do not fit in "
             f"{available / 1e9:.1f} GB of available memory",
         )
+    import transformers
+
     spec = load_model_spec(Path(model_dir))
     model_class = getattr(transformers, spec.model_class)
     config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=spec.trust_remote_code)

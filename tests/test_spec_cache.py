@@ -115,3 +115,11 @@ def test_cached_spec_of_a_model_saved_per_expert_keeps_its_views(fixtures, tmp_p
 
     assert cached == built
     assert cached.saved_views and all(view.source in cached.expected_shapes for view in cached.saved_views.values())
+
+
+def test_the_merge_flow_imports_without_transformers():
+    script = "import sys; from flows.merge import merge_checkpoint; print('transformers' in sys.modules)"
+
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+
+    assert result.stdout.strip() == "False"
