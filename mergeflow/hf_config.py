@@ -137,13 +137,13 @@ def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: b
     tied = _tied_aliases(model)
     state = {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
     expected = {name: list(tensor.shape) for name, tensor in state.items()}
-    saved_shapes, saved_views = _saved_layout(model, state)
+    saved_shapes = _saved_shapes(model, state)
     return {
         "architecture": architecture,
         "model_class": model_class,
         "expected_shapes": expected,
         "saved_shapes": saved_shapes or expected,
-        "saved_views": saved_views,
+        "saved_views": _saved_views(model, state, saved_shapes) if saved_shapes else {},
         "tied": tied,
         "is_value_model": architecture.endswith(VALUE_MODEL_SUFFIX),
         "derived_generation_config": _derived_generation_config(config) if model.can_generate() else None,
@@ -241,38 +241,48 @@ def _meta_model(model_class: str, config: "PretrainedConfig", trust_remote_code:
         raise CheckpointError(f"cannot build {model_class} from {config_dir / CONFIG_FILE}: {e}") from e
 
 
-def _saved_layout(
-    model: torch.nn.Module, state: dict[str, torch.Tensor]
-) -> tuple[dict[str, list[int]], dict[str, list]]:
-    """The state dict's shapes as `save_pretrained` writes it, and where each of its tensors lies in the
-    in-memory ones, found by transformers' own reverse conversion (`revert_weight_conversion`).
-
-    The conversion is run on fresh meta tensors with `contiguous()` made a no-op, so what it returns
-    is a view of the in-memory tensor it comes from: its strides and offset say where it lies. Views
-    are empty when the names are the same as in memory, or when a saved tensor is not a view of one
-    in-memory tensor (a conversion that computes or concatenates); shapes are empty where there is no
-    conversion to apply (transformers 4, or a remote-code model it cannot convert).
-    """
+def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """The shapes of the state dict as `save_pretrained` writes it, by transformers' own reverse conversion
+    (`revert_weight_conversion`; empty where there is none to apply: transformers 4, or a remote-code model
+    it cannot convert)."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
 
-        shapes = {name: list(tensor.shape) for name, tensor in revert_weight_conversion(model, dict(state)).items()}
-        probes = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") for name, tensor in state.items()}
+        saved = revert_weight_conversion(model, dict(state))
+    except Exception:
+        return {}
+    return {name: list(tensor.shape) for name, tensor in saved.items()}
+
+
+def _saved_views(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], saved_shapes: dict[str, list[int]]
+) -> dict[str, list]:
+    """Where each tensor `save_pretrained` writes lies in the in-memory ones, as [source, stride, offset].
+
+    The reverse conversion is run again on fresh meta tensors with `contiguous()` made a no-op, so what it
+    returns is a view of the in-memory tensor it comes from: its strides and offset say where it lies.
+    Empty when the names are the same as in memory, when the conversion fails this way, or when a saved
+    tensor is not a view of one in-memory tensor (a conversion that computes or concatenates).
+    """
+    probes = {name: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") for name, tensor in state.items()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
         with _ContiguousAsIs():
             saved = revert_weight_conversion(model, dict(probes))
     except Exception:
-        return {}, {}
-    if {name: list(tensor.shape) for name, tensor in saved.items()} != shapes:
-        return shapes, {}
+        return {}
+    if {name: list(tensor.shape) for name, tensor in saved.items()} != saved_shapes:
+        return {}
     source_of = {id(probe): name for name, probe in probes.items()}
     views = {}
     for name, tensor in saved.items():
         base = tensor if id(tensor) in source_of else tensor._base
         if base is None or id(base) not in source_of:
-            return shapes, {}
+            return {}
         views[name] = [source_of[id(base)], list(tensor.stride()), tensor.storage_offset()]
     unchanged = all(saved[name] is probes.get(name) for name in saved)
-    return shapes, {} if unchanged else views
+    return {} if unchanged else views
 
 
 class _ContiguousAsIs(TorchFunctionMode):
