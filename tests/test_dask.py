@@ -16,19 +16,31 @@ def merged_files(folder):
     return {path.name: path.read_bytes() for path in folder.iterdir() if path.name != "README.md"}
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("prefect_server")
-def test_dask_local_cluster_output_equals_the_thread_pool_output(fixtures, tmp_path):
-    checkpoint = str(fixtures["qwen2-ws2"].checkpoint_dir)
-    on_threads, on_dask = tmp_path / "threads", tmp_path / "dask"
-    merge_checkpoint(local_dir=checkpoint, target_dir=str(on_threads), max_shard_size=SHARD_SIZE, progress=False)
-
-    saved = merge_checkpoint.with_options(task_runner=task_runner_from("dask:2"))(
-        local_dir=checkpoint, target_dir=str(on_dask), max_shard_size=SHARD_SIZE, progress=False
+def merge_on(task_runner: str, fixtures, target_dir):
+    """Merge the qwen2-ws2 fixture in small shards with the given task runner."""
+    return merge_checkpoint.with_options(task_runner=task_runner_from(task_runner))(
+        local_dir=str(fixtures["qwen2-ws2"].checkpoint_dir),
+        target_dir=str(target_dir),
+        max_shard_size=SHARD_SIZE,
+        progress=False,
     )
 
+
+@pytest.fixture(scope="module")
+def thread_pool_output(fixtures, prefect_server, tmp_path_factory):
+    """The same merge on the default thread pool, once for the module."""
+    target = tmp_path_factory.mktemp("threads") / "merged"
+    merge_on("threads", fixtures, target)
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_dask_local_cluster_output_equals_the_thread_pool_output(fixtures, thread_pool_output, tmp_path):
+    saved = merge_on("dask:2", fixtures, tmp_path / "dask")
+
     assert len(saved.weight_files) > 1
-    assert merged_files(on_dask) == merged_files(on_threads)
+    assert merged_files(tmp_path / "dask") == merged_files(thread_pool_output)
 
 
 def test_unknown_task_runner_is_refused_with_the_accepted_forms():
@@ -48,18 +60,12 @@ def test_dask_address_names_the_scheduler():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_server")
-def test_an_existing_clusters_scheduler_runs_the_shards(fixtures, tmp_path):
+def test_an_existing_clusters_scheduler_runs_the_shards(fixtures, thread_pool_output, tmp_path):
     from distributed import LocalCluster
-
-    checkpoint = str(fixtures["qwen2-ws2"].checkpoint_dir)
-    on_threads, on_cluster = tmp_path / "threads", tmp_path / "cluster"
-    merge_checkpoint(local_dir=checkpoint, target_dir=str(on_threads), max_shard_size=SHARD_SIZE, progress=False)
 
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=None) as cluster:
         address = cluster.scheduler_address.removeprefix("tcp:")
-        saved = merge_checkpoint.with_options(task_runner=task_runner_from(f"dask:{address}"))(
-            local_dir=checkpoint, target_dir=str(on_cluster), max_shard_size=SHARD_SIZE, progress=False
-        )
+        saved = merge_on(f"dask:{address}", fixtures, tmp_path / "cluster")
 
     assert len(saved.weight_files) > 1
-    assert merged_files(on_cluster) == merged_files(on_threads)
+    assert merged_files(tmp_path / "cluster") == merged_files(thread_pool_output)
