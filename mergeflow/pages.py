@@ -3,18 +3,21 @@
 Pages touched through an mmap count in the process's RSS until unmapped. Dropping them once a block
 has been copied (MADV_DONTNEED on a read-only private file mapping: they are re-read from the file if
 touched again) keeps peak RSS flat however large the model. `mincore` tells, without reading
-anything, whether a mapped range is in the page cache.
+anything, which pages of a mapped range are in the page cache.
 """
 
 import ctypes
 import ctypes.util
 import mmap
+import re
 import sys
 
 import torch
 
 MADV_DONTNEED = 4
 PAGE_SIZE = mmap.PAGESIZE
+_ABSENT_PAGES = bytes(0 if flags & 1 else 1 for flags in range(256))
+"""Maps each `mincore` residency byte to 1 where the page is not resident."""
 
 _libc = (
     ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
@@ -32,14 +35,28 @@ def _advise(tensor: torch.Tensor, advice: int) -> None:
 
 def in_page_cache(address: int, length: int) -> bool:
     """Whether every page of the mapped range `[address, address + length)` is in the page cache."""
-    if _libc is None or length <= 0:
-        return False
+    return length > 0 and not uncached_ranges(address, length)
+
+
+def uncached_ranges(address: int, length: int) -> list[tuple[int, int]]:
+    """The byte ranges of the mapped range `[address, address + length)` whose pages are not in the page
+    cache, as `(start, stop)` offsets from `address` (clipped to the range); all of it where `mincore`
+    cannot tell."""
+    if length <= 0:
+        return []
+    if _libc is None:
+        return [(0, length)]
     aligned = address - address % PAGE_SIZE
     span = address + length - aligned
     residency = (ctypes.c_ubyte * (-(-span // PAGE_SIZE)))()
     if _libc.mincore(ctypes.c_void_p(aligned), ctypes.c_size_t(span), residency) != 0:
-        return False
-    return all(page & 1 for page in bytes(residency))
+        return [(0, length)]
+    lead = address - aligned
+    absent = bytes(residency).translate(_ABSENT_PAGES)
+    return [
+        (max(match.start() * PAGE_SIZE - lead, 0), min(match.end() * PAGE_SIZE - lead, length))
+        for match in re.finditer(rb"\x01+", absent)
+    ]
 
 
 def release(tensor: torch.Tensor) -> None:

@@ -1,5 +1,7 @@
 """Reading rank files: the pickle reader against torch.load, file offsets, direct reads, the mapping fallback."""
 
+import ctypes
+import mmap
 import os
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mergeflow.fsdp import load_rank_state
-from mergeflow.pages import in_page_cache
+from mergeflow.pages import in_page_cache, uncached_ranges
 from mergeflow.placement import REPLICATE, shard
 from mergeflow.rank_pickle import read_rank_pickle, tensor_file_offsets
 from mergeflow.rank_reader import RankReader
@@ -108,3 +110,43 @@ def test_a_pickle_the_reader_does_not_know_is_loaded_by_torch(tmp_path):
 
     assert torch.equal(state["weight"].local, weight)
     assert state["weight"].file_offset is not None
+
+
+FOLIO_BYTES = 2 * 1024 * 1024
+"""The page cache may hold a file in folios this large, and evicts only whole ones."""
+
+
+def evict_range(path, offset: int, length: int) -> None:
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def test_uncached_ranges_are_the_evicted_pages_of_a_mapped_range(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(8 * FOLIO_BYTES))
+    path.read_bytes()
+    evict_range(path, 2 * FOLIO_BYTES, FOLIO_BYTES)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as mapping:
+        view = (ctypes.c_char * len(mapping)).from_buffer(mapping)
+        ranges = uncached_ranges(ctypes.addressof(view) + 100, 4 * FOLIO_BYTES)
+        del view
+
+    assert ranges == [(2 * FOLIO_BYTES - 100, 3 * FOLIO_BYTES - 100)]
+
+
+def test_rows_partly_evicted_from_the_page_cache_equal_the_mapped_tensor(tmp_path):
+    path = tmp_path / "model_world_size_1_rank_0.pt"
+    weight = torch.randn(4 * FOLIO_BYTES // 4096, 1024)
+    torch.save({"weight": weight}, path)
+    path.read_bytes()
+    evict_range(path, FOLIO_BYTES, FOLIO_BYTES)
+
+    with RankReader((str(path),)) as reader:
+        local = reader.local("weight", 0)
+        assert not in_page_cache(local.data_ptr(), local.numel() * local.element_size())
+        rows = torch.empty(weight.shape, dtype=torch.bfloat16)
+        reader.read_rows("weight", 0, 0, weight.shape[0], rows)
+
+    assert torch.equal(rows, weight.to(torch.bfloat16))
