@@ -210,18 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from flows.merge import merge_checkpoint
-    from flows.task_runners import task_runner_from
     from mergeflow.warm_up import start_warm_up
 
-    flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
-    start_warm_up(
+    start_warm_up(  # first: the disk starts reading while Prefect is imported
         args.local_dir,
         args.backend,
         args.hf_model_config_path,
         trust_remote_code=args.trust_remote_code,
         is_value_model=args.is_value_model,
     )
+    from flows.merge import merge_checkpoint
+    from flows.task_runners import task_runner_from
+
+    flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
     saved = flow(
         local_dir=args.local_dir,
         target_dir=args.target_dir,

@@ -18,13 +18,18 @@ VERL_PACKAGE = "verl"
 
 
 def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
-    from mergeflow.fsdp import find_rank_files, index_shards
-    from mergeflow.hf_config import default_config_dir, load_model_spec
-    from mergeflow.planning import plan_merge
-    from mergeflow.read_ahead import read_ahead
-    from mergeflow.save import save_model
+    """As `mergeflow merge` does it: the read-ahead starts before the imports that need torch."""
+    from mergeflow.fsdp_layout import default_config_dir, find_rank_files
+    from mergeflow.read_ahead import read_ahead, start_read_ahead
 
     rank_files = find_rank_files(checkpoint_dir)
+    start_read_ahead(rank_files.data_files)
+
+    from mergeflow.fsdp import index_shards
+    from mergeflow.hf_config import load_model_spec
+    from mergeflow.planning import plan_merge
+    from mergeflow.save import save_model
+
     with read_ahead(rank_files.data_files):
         spec = load_model_spec(default_config_dir(checkpoint_dir))
     index = index_shards(rank_files)

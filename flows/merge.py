@@ -16,7 +16,7 @@ from mergeflow.fingerprint import MergeKey
 from mergeflow.hub import check_repo_id, default_revision, training_step
 from mergeflow.lora import LoraPlan, describe_lora
 from mergeflow.manifest import SavedModel, output_intact
-from mergeflow.megatron import MegatronLayout
+from mergeflow.megatron_layout import MegatronLayout
 from mergeflow.model_card import MergeFacts
 from mergeflow.output import check_target, resumable_staging
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import CheckpointError
+from mergeflow.megatron_layout import METADATA_FILE
 
-METADATA_FILE = ".metadata"
 DCP_ALLOWED_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",

@@ -77,10 +77,6 @@ class ModelSpec:
     (None for a model that does not generate)."""
 
 
-def default_config_dir(checkpoint_dir: Path) -> Path:
-    return Path(checkpoint_dir) / "huggingface"
-
-
 def load_model_spec(
     config_dir: Path,
     *,

@@ -22,15 +22,12 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.dcp import METADATA_FILE, StoredTensor, read_metadata, read_slice
+from mergeflow.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.dtypes import dtype_name, parse_dtype_name
 from mergeflow.errors import CheckpointError, PlanError, quoted
-from mergeflow.fsdp import HF_SUBDIR
 from mergeflow.hf_config import ModelSpec, load_config
+from mergeflow.megatron_layout import MegatronLayout
 
-DIST_CKPT_SUBDIR = "dist_ckpt"
-HF_WEIGHT_FILES = "*.safetensors"
-MODEL_SUBDIR = "model"
 LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
 """A decoder-layer key: stacked (no index, layers on the first axis) or one layer's (`decoder.layers.3.`)."""
 EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
@@ -39,7 +36,6 @@ TRAINING_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
 """Optimizer state (Adam moments, fp32 master weights) that verl's 2025 layout saved in the same archive."""
 GLU_HALF = re.compile(r"^(.+)_([wv])$")
 """fc1 stored as its gate (`_w`) and up (`_v`) halves, as megatron-core writes singleton shards."""
-DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 COPY, VOCAB, Q, K, V, GATE, UP = "copy", "vocab", "q", "k", "v", "gate", "up"
 HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
@@ -167,30 +163,6 @@ VALUE_HEAD = ("score.weight", COPY)
 
 
 @dataclass(frozen=True)
-class MegatronLayout:
-    """Where a Megatron checkpoint's parts are."""
-
-    checkpoint_dir: str
-    """What the user passed (`global_step_N/actor`)."""
-    dist_ckpt_dir: str | None
-    hf_dir: str
-    hf_weights: bool = False
-    """`hf_dir` already holds the model's weights (verl with mbridge saves them): nothing to merge."""
-
-    @property
-    def world_size(self) -> int:
-        """Ranks that wrote the archive (1 when there is none)."""
-        return _writer_ranks(Path(self.dist_ckpt_dir)) if self.dist_ckpt_dir else 1
-
-    @property
-    def data_files(self) -> tuple[str, ...]:
-        """The archive's tensor data files (none for an mbridge run, whose weights are copied)."""
-        if self.dist_ckpt_dir is None or self.hf_weights:
-            return ()
-        return tuple(sorted(str(path) for path in Path(self.dist_ckpt_dir).iterdir() if DATA_FILE.match(path.name)))
-
-
-@dataclass(frozen=True)
 class Geometry:
     """What the fused tensors need from the HF config."""
 
@@ -230,37 +202,6 @@ class MegatronIndex:
     mesh_shape: tuple[int, ...] = ()
     mesh_dim_names: tuple[str, ...] | None = None
     fsdp_version: None = None
-
-
-def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
-    """Locate `dist_ckpt/` and `huggingface/` in either of verl's layouts; a `huggingface/` that holds
-    safetensors weights (an mbridge run) is the model itself.
-
-    Raises:
-        CheckpointError: neither layout is there (naming the directory to pass when it is a parent).
-    """
-    local_dir = Path(local_dir)
-    if not local_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {local_dir}")
-    for base in (local_dir / MODEL_SUBDIR, local_dir):
-        if any((base / HF_SUBDIR).glob(HF_WEIGHT_FILES)):
-            dist_ckpt = base / DIST_CKPT_SUBDIR
-            return MegatronLayout(
-                str(local_dir), str(dist_ckpt) if dist_ckpt.is_dir() else None, str(base / HF_SUBDIR), hf_weights=True
-            )
-        if (base / DIST_CKPT_SUBDIR).is_dir():
-            dist_ckpt = base / DIST_CKPT_SUBDIR
-            if not (dist_ckpt / METADATA_FILE).is_file():
-                raise CheckpointError(f"not a torch_dist checkpoint: {dist_ckpt} has no {METADATA_FILE} file")
-            return MegatronLayout(str(local_dir), str(dist_ckpt), str(base / HF_SUBDIR))
-    if (local_dir / METADATA_FILE).is_file():
-        return MegatronLayout(str(local_dir), str(local_dir), str(local_dir.parent / HF_SUBDIR))
-    roles = [role for role in ("actor", "critic") if (local_dir / role).is_dir()]
-    hint = f": pass {local_dir / roles[0]}" if roles else ""
-    raise CheckpointError(
-        f"not a Megatron checkpoint: {local_dir} has neither {MODEL_SUBDIR}/{DIST_CKPT_SUBDIR}/ nor "
-        f"{DIST_CKPT_SUBDIR}/{hint}"
-    )
 
 
 def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
@@ -310,7 +251,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     return MegatronIndex(
         checkpoint_dir=layout.checkpoint_dir,
         dist_ckpt_dir=layout.dist_ckpt_dir,
-        world_size=_writer_ranks(Path(layout.dist_ckpt_dir)),
+        world_size=layout.world_size,
         tensor_parallel=tensor_parallel,
         mesh_shape=(tensor_parallel,) if tensor_parallel else (),
         mesh_dim_names=("tp",) if tensor_parallel else None,
@@ -401,11 +342,6 @@ def _part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str)
     if part == VOCAB:
         return (min(rows, geometry.vocab_size), *tail)
     return shape
-
-
-def _writer_ranks(dist_ckpt_dir: Path) -> int:
-    ranks = {int(match[1]) for path in dist_ckpt_dir.iterdir() if (match := DATA_FILE.match(path.name))}
-    return len(ranks) or 1
 
 
 def _tensor_parallel(stored: dict[str, StoredTensor]) -> int | None:

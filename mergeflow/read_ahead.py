@@ -22,19 +22,56 @@ MEMORY_SHARE = 4
 """Read ahead at most 1/MEMORY_SHARE of physical memory, so the cache never pushes out what it holds."""
 
 
+class _Reader:
+    """One background read of a list of files, from their start, until stopped or out of budget."""
+
+    def __init__(self, paths: tuple[str, ...]):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_read_ahead, args=(paths, _budget_bytes(), self._stop), name="mergeflow-read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_readers: dict[tuple[str, ...], _Reader] = {}
+"""Read-aheads `start_read_ahead` began, waiting for the `read_ahead` block that ends them."""
+_readers_lock = threading.Lock()
+
+
+def start_read_ahead(paths: Sequence[str]) -> None:
+    """Start reading `paths` into the page cache in the background, before the merge is ready to plan.
+
+    The read goes on until a `read_ahead` block of the same paths ends (or the budget is spent), so it
+    can start first thing, while the process is still importing libraries; a second call while it runs
+    does nothing.
+    """
+    key = tuple(paths)
+    with _readers_lock:
+        if key not in _readers or not _readers[key].running:
+            _readers[key] = _Reader(key)
+
+
 @contextmanager
 def read_ahead(paths: Sequence[str]) -> Iterator[None]:
-    """Read `paths`, one after another from their start, into the page cache while the block runs."""
-    stop = threading.Event()
-    reader = threading.Thread(
-        target=_read_ahead, args=(tuple(paths), _budget_bytes(), stop), name="mergeflow-read-ahead", daemon=True
-    )
-    reader.start()
+    """Read `paths`, one after another from their start, into the page cache while the block runs.
+
+    A read-ahead `start_read_ahead` began for the same paths is carried on (not restarted) and ends with the block.
+    """
+    key = tuple(paths)
+    with _readers_lock:
+        reader = _readers.pop(key, None) or _Reader(key)
     try:
         yield
     finally:
-        stop.set()
-        reader.join()
+        reader.stop()
 
 
 def _read_ahead(paths: tuple[str, ...], budget: int, stop: threading.Event) -> None:

@@ -5,9 +5,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow import fsdp
+from mergeflow import fsdp_layout
 from mergeflow.errors import CheckpointError
-from mergeflow.megatron import find_megatron_checkpoint
+from mergeflow.megatron_layout import find_megatron_checkpoint
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -54,7 +54,7 @@ def latest_step(run_dir: Path) -> int | None:
 def backend_of(role_dir: Path) -> str | None:
     """`fsdp` for rank files, `megatron` for what the Megatron backend reads (a torch_dist archive, or
     mbridge's HF weights), None otherwise."""
-    if fsdp.detect(role_dir):
+    if fsdp_layout.detect(role_dir):
         return "fsdp"
     try:
         find_megatron_checkpoint(role_dir)

@@ -4,8 +4,9 @@ from collections import Counter
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.fsdp import ShardIndex, find_rank_files, index_shards
-from mergeflow.hf_config import ModelSpec, default_config_dir, load_model_spec
+from mergeflow.fsdp import ShardIndex, index_shards
+from mergeflow.fsdp_layout import default_config_dir, find_rank_files
+from mergeflow.hf_config import ModelSpec, load_model_spec
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, read_train_meta
 
 

@@ -1,19 +1,19 @@
 """Prepare a merge on a background thread while the pipeline starts (a temporary Prefect server takes
 seconds to come up, with the CPU and the disk idle).
 
-The warm-up builds the model spec into the spec cache, reading the checkpoint's files ahead meanwhile,
-so the pipeline's config step finds the spec ready (or waits for the build already under way instead
-of starting a second one). It changes nothing the merge writes: any problem it meets is left for the
+The warm-up starts reading the checkpoint's files ahead (on until the pipeline's own read-ahead ends)
+and builds the model spec into the spec cache, so the pipeline's config step finds the spec ready (or
+waits for the build already under way instead of starting a second one). This module imports no torch:
+the warm-up can start before the pipeline's imports, which take seconds. It changes nothing the merge writes: any problem it meets is left for the
 pipeline to report, with its context.
 """
 
 import threading
 from pathlib import Path
 
-from mergeflow.fsdp import find_rank_files
-from mergeflow.hf_config import default_config_dir, load_model_spec
-from mergeflow.megatron import find_megatron_checkpoint
-from mergeflow.read_ahead import read_ahead
+from mergeflow.fsdp_layout import default_config_dir, find_rank_files
+from mergeflow.megatron_layout import find_megatron_checkpoint
+from mergeflow.read_ahead import start_read_ahead
 
 
 def start_warm_up(
@@ -46,11 +46,13 @@ def _warm_up(
             data_files, config_dir = layout.data_files, Path(layout.hf_dir)
         else:
             data_files, config_dir = find_rank_files(local_dir).data_files, default_config_dir(local_dir)
-        with read_ahead(data_files):
-            load_model_spec(
-                Path(hf_model_config_path) if hf_model_config_path else config_dir,
-                trust_remote_code=trust_remote_code,
-                is_value_model=is_value_model,
-            )
+        start_read_ahead(data_files)
+        from mergeflow.hf_config import load_model_spec  # imports torch: after the read-ahead has started
+
+        load_model_spec(
+            Path(hf_model_config_path) if hf_model_config_path else config_dir,
+            trust_remote_code=trust_remote_code,
+            is_value_model=is_value_model,
+        )
     except Exception:  # the pipeline meets the same problem and reports it
         return

@@ -3,8 +3,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp import RankFiles, find_rank_files
-from mergeflow.megatron import MegatronLayout, find_megatron_checkpoint
+from mergeflow.fsdp_layout import RankFiles, find_rank_files
+from mergeflow.megatron_layout import MegatronLayout, find_megatron_checkpoint
 
 
 @task(name="detect-world-size", cache_policy=NO_CACHE)

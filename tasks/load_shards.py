@@ -1,9 +1,11 @@
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp import RankFiles, ShardIndex, index_shards
+from mergeflow.fsdp import ShardIndex, index_shards
+from mergeflow.fsdp_layout import RankFiles
 from mergeflow.hf_config import ModelSpec
-from mergeflow.megatron import MegatronIndex, MegatronLayout, index_megatron
+from mergeflow.megatron import MegatronIndex, index_megatron
+from mergeflow.megatron_layout import MegatronLayout
 
 
 @task(name="load-shards", cache_policy=NO_CACHE)

@@ -6,8 +6,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from mergeflow.fsdp import find_rank_files, index_shards
-from mergeflow.hf_config import default_config_dir, load_model_spec
+from mergeflow.fsdp import index_shards
+from mergeflow.fsdp_layout import default_config_dir, find_rank_files
+from mergeflow.hf_config import load_model_spec
 from mergeflow.lora import plan_lora
 from mergeflow.manifest import SavedModel
 from mergeflow.planning import plan_adapter, plan_merge

@@ -19,7 +19,8 @@ from mergeflow.dcp import read_metadata, read_slice
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.fixtures.megatron import LOGITS_INPUT_IDS
 from mergeflow.hf_config import load_model_spec
-from mergeflow.megatron import find_megatron_checkpoint, index_megatron
+from mergeflow.megatron import index_megatron
+from mergeflow.megatron_layout import find_megatron_checkpoint
 from mergeflow.planning import plan_merge
 from mergeflow.save import save_model
 from mergeflow.validation import validate_model_dir

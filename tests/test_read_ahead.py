@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from mergeflow import pages
-from mergeflow.read_ahead import read_ahead
+from mergeflow.read_ahead import read_ahead, start_read_ahead
 
 FILE_BYTES = 8 * 1024 * 1024
 WAIT_SECONDS = 10
@@ -66,3 +66,46 @@ def test_a_missing_file_is_skipped(tmp_path):
 
     with read_ahead([str(tmp_path / "missing.pt"), str(present)]):
         assert wait_until(lambda: cached(present))
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_ahead_threads() -> int:
+    return sum(thread.name == "mergeflow-read-ahead" for thread in threading.enumerate())
+
+
+def test_a_started_read_ahead_reads_the_files_before_any_block(tmp_path):
+    files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
+
+    start_read_ahead([str(path) for path in files])
+
+    assert wait_until(lambda: all(cached(path) for path in files))
+    with read_ahead([str(path) for path in files]):
+        pass
+
+
+def test_a_block_carries_on_the_read_ahead_started_for_its_files_instead_of_reading_them_again(tmp_path):
+    path = cold_file(tmp_path / "a.pt")
+    start_read_ahead([str(path)])
+    assert wait_until(lambda: cached(path) and read_ahead_threads() == 0)
+    evict(path)
+
+    with read_ahead([str(path)]):
+        time.sleep(0.2)
+        assert not cached(path)
+
+
+def test_a_started_read_ahead_ends_with_the_block_of_its_files(tmp_path):
+    files = [str(cold_file(tmp_path / name)) for name in ("a.pt", "b.pt", "c.pt")]
+    start_read_ahead(files)
+
+    with read_ahead(files):
+        pass
+
+    assert read_ahead_threads() == 0

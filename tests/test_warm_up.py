@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from mergeflow import spec_cache
-from mergeflow.hf_config import default_config_dir
+from mergeflow.fsdp_layout import default_config_dir
 from mergeflow.warm_up import start_warm_up
 
 OPTIONS = {"trust_remote_code": False, "is_value_model": False}

@@ -1,0 +1,128 @@
+"""Where an FSDP checkpoint's rank files are, checked to be complete (reads names, no tensor data).
+
+Imports no torch, so a merge can start reading the files ahead before the heavy imports are done.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergeflow.errors import CheckpointError, quoted
+
+FSDP_CONFIG_FILE = "fsdp_config.json"
+HF_SUBDIR = "huggingface"
+RANK_FILE_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+ROLE_SUBDIRS = ("actor", "critic")
+
+
+def default_config_dir(checkpoint_dir: Path) -> Path:
+    """The `huggingface/` folder verl saves beside the rank files (config, tokenizer)."""
+    return Path(checkpoint_dir) / HF_SUBDIR
+
+
+def rank_file_name(world_size: int, rank: int) -> str:
+    return f"model_world_size_{world_size}_rank_{rank}.pt"
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The rank files of one FSDP checkpoint, checked to be complete."""
+
+    checkpoint_dir: str
+    world_size: int
+    paths: tuple[str, ...]
+    fsdp_version: int | None = None
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The files holding tensor data: the rank files themselves."""
+        return self.paths
+
+
+def detect(checkpoint_dir: Path) -> bool:
+    """Whether a directory holds verl FSDP rank files."""
+    return checkpoint_dir.is_dir() and any(RANK_FILE_PATTERN.match(p.name) for p in checkpoint_dir.iterdir())
+
+
+def find_rank_files(checkpoint_dir: Path) -> RankFiles:
+    """Find the rank files and check that ranks 0..W-1 are all there, and nothing else.
+
+    The world size comes from `fsdp_config.json` when verl wrote one, else from the file names.
+
+    Raises:
+        CheckpointError: the directory is not an FSDP checkpoint, or its rank files are incomplete.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
+    found: dict[int, dict[int, Path]] = {}
+    for path in sorted(checkpoint_dir.iterdir()):
+        match = RANK_FILE_PATTERN.match(path.name)
+        if match:
+            found.setdefault(int(match[1]), {})[int(match[2])] = path
+    if not found:
+        raise CheckpointError(_not_a_checkpoint_message(checkpoint_dir))
+
+    config_world_size, fsdp_version = _read_fsdp_config(checkpoint_dir)
+    if config_world_size is not None:
+        world_size = config_world_size
+        source = f"{FSDP_CONFIG_FILE} says world_size={world_size}"
+    elif len(found) == 1:
+        world_size = next(iter(found))
+        source = f"file names say world_size={world_size}"
+    else:
+        sizes = ", ".join(str(size) for size in sorted(found))
+        raise CheckpointError(
+            f"rank files of several world sizes ({sizes}) in {checkpoint_dir} and no {FSDP_CONFIG_FILE} to choose: "
+            "remove the files of the runs you do not want to merge"
+        )
+
+    stray = sorted(
+        str(path) for size, ranks in found.items() if size != world_size for path in ranks.values()
+    )
+    ranks = found.get(world_size, {})
+    stray += sorted(str(path) for rank, path in ranks.items() if rank >= world_size)
+    if stray:
+        raise CheckpointError(f"unexpected rank file(s) in {checkpoint_dir} ({source}): {quoted(stray)}")
+    missing = [
+        checkpoint_dir / rank_file_name(world_size, rank) for rank in range(world_size) if rank not in ranks
+    ]
+    if missing:
+        raise CheckpointError(f"rank file missing: {', '.join(map(str, missing))} ({source})")
+    paths = tuple(str(ranks[rank]) for rank in range(world_size))
+    return RankFiles(str(checkpoint_dir), world_size, paths, fsdp_version)
+
+
+def _read_fsdp_config(checkpoint_dir: Path) -> tuple[int | None, int | None]:
+    path = checkpoint_dir / FSDP_CONFIG_FILE
+    if not path.exists():
+        return None, None
+    try:
+        config = json.loads(path.read_text())
+        world_size = int(config["world_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"unreadable {path}: expected JSON with an integer 'world_size' ({e})") from e
+    if world_size < 1:
+        raise CheckpointError(f"invalid {path}: world_size={world_size}")
+    version = config.get("FSDP_version")
+    return world_size, int(version) if version is not None else None
+
+
+def _not_a_checkpoint_message(directory: Path) -> str:
+    """Say which path to pass when the user pointed at the run root or at `global_step_N/`."""
+    message = f"not an FSDP checkpoint: {directory} has no model_world_size_*_rank_*.pt files"
+    roles = [directory / role for role in ROLE_SUBDIRS if detect(directory / role)]
+    if roles:
+        return f"{message}; pass the role directory instead: {' or '.join(map(str, roles))}"
+    steps = sorted(
+        (
+            p
+            for p in directory.glob("global_step_*")
+            if p.is_dir() and p.name.removeprefix("global_step_").isdigit()
+        ),
+        key=lambda p: int(p.name.removeprefix("global_step_")),
+    )
+    if steps:
+        return f"{message}; this looks like a verl run directory, pass a checkpoint such as {steps[-1] / 'actor'}"
+    return message

@@ -1,0 +1,78 @@
+"""Where a Megatron checkpoint's parts are, in either of verl's layouts (reads names, no tensor data).
+
+Imports no torch, so a merge can start reading the archive ahead before the heavy imports are done.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergeflow.errors import CheckpointError
+from mergeflow.fsdp_layout import HF_SUBDIR
+
+METADATA_FILE = ".metadata"
+"""The torch_dist archive's index (PyTorch DCP)."""
+DIST_CKPT_SUBDIR = "dist_ckpt"
+HF_WEIGHT_FILES = "*.safetensors"
+MODEL_SUBDIR = "model"
+DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """Where a Megatron checkpoint's parts are."""
+
+    checkpoint_dir: str
+    """What the user passed (`global_step_N/actor`)."""
+    dist_ckpt_dir: str | None
+    hf_dir: str
+    hf_weights: bool = False
+    """`hf_dir` already holds the model's weights (verl with mbridge saves them): nothing to merge."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that wrote the archive (1 when there is none)."""
+        return writer_ranks(Path(self.dist_ckpt_dir)) if self.dist_ckpt_dir else 1
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        """The archive's tensor data files (none for an mbridge run, whose weights are copied)."""
+        if self.dist_ckpt_dir is None or self.hf_weights:
+            return ()
+        return tuple(sorted(str(path) for path in Path(self.dist_ckpt_dir).iterdir() if DATA_FILE.match(path.name)))
+
+
+def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
+    """Locate `dist_ckpt/` and `huggingface/` in either of verl's layouts; a `huggingface/` that holds
+    safetensors weights (an mbridge run) is the model itself.
+
+    Raises:
+        CheckpointError: neither layout is there (naming the directory to pass when it is a parent).
+    """
+    local_dir = Path(local_dir)
+    if not local_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {local_dir}")
+    for base in (local_dir / MODEL_SUBDIR, local_dir):
+        if any((base / HF_SUBDIR).glob(HF_WEIGHT_FILES)):
+            dist_ckpt = base / DIST_CKPT_SUBDIR
+            return MegatronLayout(
+                str(local_dir), str(dist_ckpt) if dist_ckpt.is_dir() else None, str(base / HF_SUBDIR), hf_weights=True
+            )
+        if (base / DIST_CKPT_SUBDIR).is_dir():
+            dist_ckpt = base / DIST_CKPT_SUBDIR
+            if not (dist_ckpt / METADATA_FILE).is_file():
+                raise CheckpointError(f"not a torch_dist checkpoint: {dist_ckpt} has no {METADATA_FILE} file")
+            return MegatronLayout(str(local_dir), str(dist_ckpt), str(base / HF_SUBDIR))
+    if (local_dir / METADATA_FILE).is_file():
+        return MegatronLayout(str(local_dir), str(local_dir), str(local_dir.parent / HF_SUBDIR))
+    roles = [role for role in ("actor", "critic") if (local_dir / role).is_dir()]
+    hint = f": pass {local_dir / roles[0]}" if roles else ""
+    raise CheckpointError(
+        f"not a Megatron checkpoint: {local_dir} has neither {MODEL_SUBDIR}/{DIST_CKPT_SUBDIR}/ nor "
+        f"{DIST_CKPT_SUBDIR}/{hint}"
+    )
+
+
+def writer_ranks(dist_ckpt_dir: Path) -> int:
+    ranks = {int(match[1]) for path in dist_ckpt_dir.iterdir() if (match := DATA_FILE.match(path.name))}
+    return len(ranks) or 1
