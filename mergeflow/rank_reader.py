@@ -10,6 +10,7 @@ the mapping instead, and its pages are dropped right after.
 
 import mmap
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -34,13 +35,17 @@ class RankReader:
     O_DIRECT, in large aligned requests that skip the page cache: on the machines
     measured, buffered cold reads cost the kernel more CPU than the merge itself and halved
     throughput while the output was being written.
+
+    Rows of different ranks can be read at the same time from different threads (each has its own
+    staging buffer).
     """
 
     def __init__(self, rank_files: tuple[str, ...]):
         self._rank_files = rank_files
         self._states: dict[int, dict[str, RankTensor]] = {}
         self._direct_fds: dict[int, int | None] = {}
-        self._staging: mmap.mmap | None = None
+        self._opening = threading.Lock()
+        self._per_thread = threading.local()
 
     def local(self, name: str, rank: int) -> torch.Tensor:
         """The memory-mapped local tensor (its metadata is free; touching its data costs page faults)."""
@@ -88,16 +93,21 @@ class RankReader:
         return torch.frombuffer(staging, dtype=torch.uint8, count=lead + length)[lead:]
 
     def _staging_buffer(self, size: int) -> mmap.mmap:
-        if self._staging is None or len(self._staging) < size:
-            self._staging = mmap.mmap(-1, max(size, STAGING_BYTES))  # the old one unmaps once unreferenced
-        return self._staging
+        """This thread's staging buffer, of at least `size` bytes."""
+        staging = getattr(self._per_thread, "staging", None)
+        if staging is None or len(staging) < size:
+            staging = self._per_thread.staging = mmap.mmap(-1, max(size, STAGING_BYTES))  # the old one unmaps once unreferenced
+        return staging
 
     def _open(self, rank: int) -> None:
         if rank in self._states:
             return
-        path = self._rank_files[rank]
-        self._states[rank] = take_or_load(path)
-        self._direct_fds[rank] = _open_direct(path)
+        with self._opening:
+            if rank in self._states:
+                return
+            path = self._rank_files[rank]
+            self._direct_fds[rank] = _open_direct(path)
+            self._states[rank] = take_or_load(path)
 
     def close(self) -> None:
         for fd in self._direct_fds.values():
@@ -105,7 +115,7 @@ class RankReader:
                 os.close(fd)
         self._direct_fds.clear()
         self._states.clear()
-        self._staging = None
+        self._per_thread = threading.local()
 
     def __enter__(self) -> "RankReader":
         return self

@@ -1,11 +1,15 @@
 """Assemble global tensors from their rank blocks, a bounded block of rows at a time, ahead of the writer.
 
 Memory stays bounded by the chunk size times the prefetch depth, whatever the model or tensor size.
+The blocks of one row range (one per rank, in an FSDP checkpoint) are read concurrently: the disk
+serves several requests in flight faster than the same requests one after another, with a cast
+between each.
 """
 
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import torch
@@ -15,10 +19,13 @@ from mergeflow.placement import Block
 
 CHUNK_BYTES = 32 * 1024 * 1024
 PREFETCH_DEPTH = 2
+BLOCK_READERS = 4
+"""Blocks read at once; each reader thread holds one read buffer."""
 
 CopyRows = Callable[[Block, int, int, torch.Tensor], None]
 """`copy_rows(block, start, stop, into)`: copy rows `[start, stop)` of the block's local tensor into `into`
-(casting to its dtype). Rows count from the block's first row; a 0-d tensor is copied whole."""
+(casting to its dtype). Rows count from the block's first row; a 0-d tensor is copied whole. Calls for
+different blocks may run at the same time, on different threads."""
 
 Item = TypeVar("Item")
 
@@ -54,6 +61,7 @@ def assemble_rows(
 ) -> torch.Tensor:
     """Rows `[start, stop)` of the global tensor, cast to `dtype`, copied from the blocks that hold them."""
     out = torch.empty((stop - start, *source.shape[1:]), dtype=dtype)
+    copies = []
     for block in source.blocks:
         first_row, rows = block.offset[0], block.shape[0]
         low, high = max(start, first_row), min(stop, first_row + rows)
@@ -62,8 +70,38 @@ def assemble_rows(
         target = out[low - start : high - start]
         for dim in range(1, len(source.shape)):
             target = target.narrow(dim, block.offset[dim], block.shape[dim])
-        copy_rows(block, low - first_row, high - first_row, target)
+        copies.append((block, low - first_row, high - first_row, target))
+    _copy_blocks(copy_rows, copies)
     return out
+
+
+def _copy_blocks(copy_rows: CopyRows, copies: list[tuple[Block, int, int, torch.Tensor]]) -> None:
+    """Run the copies, several at once when there are several; the first error is raised once none is running."""
+    if len(copies) < 2:
+        for copy in copies:
+            copy_rows(*copy)
+        return
+    futures = [_block_pool().submit(copy_rows, *copy) for copy in copies]
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in pending:
+        future.cancel()
+    wait(pending)
+    for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            raise future.exception()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _block_pool() -> ThreadPoolExecutor:
+    """The process's block-reader threads, started on first use (idle threads cost nothing)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(BLOCK_READERS, thread_name_prefix="mergeflow-block")
+        return _pool
 
 
 def prefetched(items: Iterable[Item], depth: int = PREFETCH_DEPTH) -> Iterator[Item]:

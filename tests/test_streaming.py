@@ -2,11 +2,14 @@
 
 import os
 import threading
+import time
 
 import pytest
 import torch
 
-from mergeflow.streaming import prefetched, row_ranges
+from mergeflow.fsdp import SourceTensor
+from mergeflow.placement import Block
+from mergeflow.streaming import assemble_rows, prefetched, row_ranges
 from tests.merging import load_weights, merge_with_engine
 
 
@@ -21,6 +24,38 @@ def test_a_row_larger_than_the_chunk_is_one_range():
 def test_empty_and_scalar_tensors_are_one_range():
     assert row_ranges((0, 4), itemsize=4) == [(0, 0)]
     assert row_ranges((), itemsize=4) == [(0, 0)]
+
+
+def two_rank_tensor() -> SourceTensor:
+    """A (4, 2) tensor split by rows over two ranks."""
+    blocks = (Block(0, (0, 0), (2, 2)), Block(1, (2, 0), (2, 2)))
+    return SourceTensor("weight", "float32", (4, 2), ("Shard(0)",), blocks)
+
+
+def test_the_blocks_of_a_row_range_are_copied_at_the_same_time():
+    both_copying = threading.Barrier(2, timeout=10)
+
+    def copy_rows(block, start, stop, into):
+        both_copying.wait()
+        into.fill_(block.rank)
+
+    rows = assemble_rows(two_rank_tensor(), 0, 4, torch.float32, copy_rows)
+
+    assert rows.tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
+
+
+def test_a_failed_block_copy_is_raised_once_the_other_copies_have_ended():
+    ended = []
+
+    def copy_rows(block, start, stop, into):
+        if block.rank == 0:
+            raise OSError("rank file went away")
+        time.sleep(0.1)
+        ended.append(block.rank)
+
+    with pytest.raises(OSError, match="rank file went away"):
+        assemble_rows(two_rank_tensor(), 0, 4, torch.float32, copy_rows)
+    assert ended == [1]
 
 
 @pytest.mark.parametrize("name", ["llama-untied-ws3", "qwen2-hsdp-2x2", "qwen2-fsdp1-ws3"])
