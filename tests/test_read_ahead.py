@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from mergeflow import pages
+from mergeflow import read_ahead as read_ahead_module
 from mergeflow.read_ahead import read_ahead, start_read_ahead
 
 FILE_BYTES = 8 * 1024 * 1024
@@ -48,6 +49,14 @@ def wait_until(condition, seconds: float = WAIT_SECONDS) -> bool:
 
 
 def test_files_are_in_the_page_cache_while_the_block_runs(tmp_path):
+    files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
+
+    with read_ahead([str(path) for path in files]):
+        assert wait_until(lambda: all(cached(path) for path in files))
+
+
+def test_files_are_read_through_where_the_device_does_not_say_how_much_a_hint_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: 0)
     files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
 
     with read_ahead([str(path) for path in files]):
