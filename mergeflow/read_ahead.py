@@ -79,7 +79,7 @@ def start_read_ahead(paths: Sequence[str]) -> None:
 
 @contextmanager
 def read_ahead(paths: Sequence[str]) -> Iterator[None]:
-    """Read `paths`, one after another from their start, into the page cache while the block runs.
+    """Read `paths` ahead into the page cache while the block runs.
 
     A read-ahead `start_read_ahead` began for the same paths is carried on (not restarted) and ends with the block.
     """

@@ -6,6 +6,7 @@ serves several requests in flight faster than the same requests one after anothe
 between each.
 """
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -93,6 +94,16 @@ def _copy_blocks(copy_rows: CopyRows, copies: list[tuple[Block, int, int, torch.
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's pool threads do not exist: start a new pool there."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _block_pool() -> ThreadPoolExecutor:

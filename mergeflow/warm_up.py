@@ -3,9 +3,9 @@ seconds to come up, with the CPU and the disk idle).
 
 The warm-up starts reading the checkpoint's files ahead (on until the pipeline's own read-ahead ends)
 and builds the model spec into the spec cache, so the pipeline's config step finds the spec ready (or
-waits for the build already under way instead of starting a second one). This module imports no torch:
-the warm-up can start before the pipeline's imports, which take seconds. It changes nothing the merge writes: any problem it meets is left for the
-pipeline to report, with its context.
+waits for the build already under way instead of starting a second one). This module imports no
+torch, so the warm-up can start before the pipeline's imports, which take seconds. It changes nothing
+the merge writes: any problem it meets is left for the pipeline to report, with its context.
 """
 
 import threading

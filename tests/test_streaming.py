@@ -58,6 +58,17 @@ def test_a_failed_block_copy_is_raised_once_the_other_copies_have_ended():
     assert ended == [1]
 
 
+def test_a_forked_child_copies_blocks_with_a_pool_of_its_own():
+    assemble_rows(two_rank_tensor(), 0, 4, torch.float32, lambda block, start, stop, into: into.fill_(block.rank))
+    child = os.fork()
+    if child == 0:
+        rows = assemble_rows(two_rank_tensor(), 0, 4, torch.float32, lambda block, start, stop, into: into.fill_(1))
+        os._exit(0 if rows.sum().item() == 8 else 1)
+    _, status = os.waitpid(child, 0)
+
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 @pytest.mark.parametrize("name", ["llama-untied-ws3", "qwen2-hsdp-2x2", "qwen2-fsdp1-ws3"])
 def test_tiny_chunks_spanning_rank_blocks_give_the_same_tensors(fixtures, tmp_path, name):
     merge_with_engine(fixtures[name].checkpoint_dir, tmp_path / "out", dtype="keep", chunk_bytes=100)
