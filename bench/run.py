@@ -1,15 +1,16 @@
 """Benchmark mergeflow against verl's merger on large verl-layout FSDP checkpoints, side by side.
 
     python -m bench.run --workdir /data/mergeflow-bench [--models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b]
-                        [--verl-models qwen2.5-0.5b qwen2.5-1.5b] [--json bench/results/bench.json]
+                        [--verl-models qwen2.5-0.5b qwen2.5-1.5b] [--json bench/results/bench.json] [--rounds 3]
 
 For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, runs each tool in a fresh
 process with a cold and a warm page cache, and checks that mergeflow's and verl's outputs hold
-identical tensors. The I/O floor (`cat` of the shards from a cold page cache, plus
-writing the output's size once) is measured three times, after mergeflow's runs and after each of
-verl's, and the median counts. mergeflow runs first with an empty model-spec cache (a config it has
-not seen: the first merge of a training run, which imports transformers and builds the model on the
-meta device), then with the spec remembered, as for every later checkpoint of the run.
+identical tensors. mergeflow runs first with an empty model-spec cache (a config it has not seen: the
+first merge of a training run, which imports transformers and builds the model on the meta device),
+then with the spec remembered, as for every later checkpoint of the run. The I/O floor (`cat` of the
+shards from a cold page cache, plus writing the output's size once) is sampled after mergeflow's runs
+and after each of verl's. All of it is repeated for `--rounds` rounds, the tools taking turns, so the
+disk's drift over minutes reaches both alike; the table reports medians, and every run is in the JSON.
 verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
 """
 
@@ -38,6 +39,7 @@ GB = 1e9
 QUIET_SECONDS = 2.0
 QUIET_TIMEOUT_SECONDS = 300.0
 FLOOR_SAMPLES = 3
+ROUNDS = 3
 
 
 def shard_files(checkpoint_dir: Path) -> list[Path]:
@@ -121,8 +123,8 @@ def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool, sp
 
 
 def median_floor(floors: list[dict[str, float]]) -> dict[str, float]:
-    """The middle of the floors measured after mergeflow's runs and after each of verl's (the disk's speed
-    drifts over minutes; one sample can catch it at its fastest or slowest)."""
+    """The middle of the floors sampled after each tool's runs (the disk's speed drifts over minutes; one
+    sample can catch it at its fastest or slowest)."""
     return sorted(floors, key=lambda floor: floor["cat_seconds"] + floor["write_seconds"])[len(floors) // 2]
 
 
@@ -166,7 +168,9 @@ def output_bytes(model_dir: Path) -> int:
     return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
 
 
-def bench_model(model: str, workdir: Path, with_verl: bool) -> dict:
+def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int) -> dict:
+    """`rounds` rounds, each of mergeflow's three runs, verl's two and an I/O floor sample after each tool:
+    the disk's drift then reaches both tools alike, and the medians count."""
     checkpoint_dir = workdir / "checkpoints" / model
     if not (checkpoint_dir / "fsdp_config.json").exists() or len(shard_files(checkpoint_dir)) != WORLD_SIZE:
         print(f"writing {model} checkpoint ({WORLD_SIZE} ranks, fp32) ...", flush=True)
@@ -175,18 +179,23 @@ def bench_model(model: str, workdir: Path, with_verl: bool) -> dict:
     shard_bytes = sum(path.stat().st_size for path in shard_files(checkpoint_dir))
     outputs = {tool: workdir / "outputs" / f"{model}-{tool}" for tool in ("mergeflow", "verl")}
     spec_cache = workdir / "spec-cache"
-    runs = [{"model": model, **run} for run in mergeflow_runs(checkpoint_dir, outputs["mergeflow"], spec_cache)]
-    floor_of_output = functools.partial(
-        io_floor, checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin"
-    )
-    floors = [floor_of_output()]
-    for cold in (True, False) if with_verl else ():
-        print(f"{model}: verl ({'cold' if cold else 'warm'} cache) ...", flush=True)
-        target = outputs["verl"] if cold else warm_target(outputs["verl"])
-        runs.append({"model": model, **run_job("verl", checkpoint_dir, target, cold=cold, spec_cache=spec_cache)})
-        if not cold:
-            shutil.rmtree(target)
+    runs, floors = [], []
+    for round_number in range(1, rounds + 1):
+        print(f"{model}: round {round_number} of {rounds}", flush=True)
+        runs += [{"model": model, "round": round_number, **run}
+                 for run in mergeflow_runs(checkpoint_dir, outputs["mergeflow"], spec_cache)]
+        floor_of_output = functools.partial(
+            io_floor, checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin"
+        )
         floors.append(floor_of_output())
+        for cold in (True, False) if with_verl else ():
+            print(f"{model}: verl ({'cold' if cold else 'warm'} cache) ...", flush=True)
+            target = outputs["verl"] if cold else warm_target(outputs["verl"])
+            run = run_job("verl", checkpoint_dir, target, cold=cold, spec_cache=spec_cache)
+            runs.append({"model": model, "round": round_number, **run})
+            if not cold:
+                shutil.rmtree(target)
+            floors.append(floor_of_output())
     while len(floors) < FLOOR_SAMPLES:
         floors.append(floor_of_output())
     result = {
@@ -203,25 +212,46 @@ def bench_model(model: str, workdir: Path, with_verl: bool) -> dict:
     return result
 
 
+def run_kinds(result: dict) -> dict[tuple[str, str, str], list[dict]]:
+    """The runs grouped by tool, page cache and config, in the order first run."""
+    kinds: dict[tuple[str, str, str], list[dict]] = {}
+    for run in result["runs"]:
+        kinds.setdefault((run["tool"], run["cache"], run.get("config", "-")), []).append(run)
+    return kinds
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def table(results: list[dict]) -> str:
-    header = ("model", "tool", "page cache", "config", "wall s", "vs verl", "vs I/O floor", "peak RSS GB", "read GB", "written GB")
+    """One row per tool, page cache and config: median wall time (and each run's), ratios of medians,
+    the highest peak RSS of its runs."""
+    header = ("model", "tool", "page cache", "config", "wall s", "each run s", "vs verl", "vs I/O floor",
+              "peak RSS GB", "read GB", "written GB")
     rows = [header]
     for result in results:
         floor = result["cat_seconds"] + result["write_seconds"]
-        verl = {run["cache"]: run["wall_seconds"] for run in result["runs"] if run["tool"] == "verl"}
-        for run in result["runs"]:
-            ratio = f"{run['wall_seconds'] / verl[run['cache']]:.2f}x" if run["cache"] in verl else "-"
-            rows.append((result["model"], run["tool"], run["cache"], run.get("config", "-"),
-                         f"{run['wall_seconds']:.1f}", ratio,
-                         f"{floor / run['wall_seconds']:.0%}", f"{run['peak_rss_bytes'] / GB:.2f}",
-                         f"{run['read_bytes'] / GB:.2f}", f"{run['write_bytes'] / GB:.2f}"))
+        kinds = run_kinds(result)
+        verl = {cache: median([run["wall_seconds"] for run in runs])
+                for (tool, cache, _), runs in kinds.items() if tool == "verl"}
+        for (tool, cache, config), runs in kinds.items():
+            wall = median([run["wall_seconds"] for run in runs])
+            ratio = f"{wall / verl[cache]:.2f}x" if cache in verl else "-"
+            rows.append((result["model"], tool, cache, config, f"{wall:.1f}",
+                         " ".join(f"{run['wall_seconds']:.1f}" for run in runs), ratio, f"{floor / wall:.0%}",
+                         f"{max(run['peak_rss_bytes'] for run in runs) / GB:.2f}",
+                         f"{median([run['read_bytes'] for run in runs]) / GB:.2f}",
+                         f"{median([run['write_bytes'] for run in runs]) / GB:.2f}"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = [" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "-+-".join("-" * width for width in widths))
     floors = [f"{r['model']}: cat {r['cat_seconds']:.1f}s + write {r['write_seconds']:.1f}s "
               f"(median of {samples(r)}), {r['shard_bytes'] / GB:.2f} GB -> {r['output_bytes'] / GB:.2f} GB, "
               f"identical to verl: {r['identical_to_verl']}" for r in results]
-    return "\n".join([*lines, "", "I/O floor (same run; median of three samples, cat + write):", *floors])
+    return "\n".join([*lines, "", "I/O floor (same run; median of its samples, cat + write):", *floors])
 
 
 def samples(result: dict) -> str:
@@ -234,8 +264,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--verl-models", nargs="*", default=VERL_MODELS)
     parser.add_argument("--json", type=Path, default=Path("bench/results/bench.json"))
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of runs per model (default {ROUNDS})")
     args = parser.parse_args()
-    results = [bench_model(model, args.workdir, model in args.verl_models) for model in args.models]
+    results = [bench_model(model, args.workdir, model in args.verl_models, args.rounds) for model in args.models]
     print(table(results))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
