@@ -1,5 +1,7 @@
 """The merge's warm-up: the spec is in the cache once it ends, and a bad checkpoint is left to the pipeline."""
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -56,3 +58,10 @@ def test_warm_up_of_a_bad_checkpoint_ends_quietly(tmp_path, empty_cache, thread_
     assert not thread.is_alive()
     assert stored_entries(empty_cache) == []
     assert thread_errors == []
+
+
+def test_the_warm_up_starts_without_importing_torch():
+    """So `mergeflow merge` can start reading ahead before its imports, which take seconds."""
+    check = "import sys, mergeflow.warm_up; sys.exit('torch' in sys.modules)"
+
+    assert subprocess.run([sys.executable, "-c", check], check=False).returncode == 0
