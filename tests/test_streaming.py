@@ -1,6 +1,7 @@
 """Streaming: bounded row chunks, assembled across rank blocks, produced ahead of the writer."""
 
 import os
+import signal
 import threading
 import time
 
@@ -62,6 +63,7 @@ def test_a_forked_child_copies_blocks_with_a_pool_of_its_own():
     assemble_rows(two_rank_tensor(), 0, 4, torch.float32, lambda block, start, stop, into: into.fill_(block.rank))
     child = os.fork()
     if child == 0:
+        signal.alarm(20)  # a child left waiting on the parent's pool ends instead of hanging the suite
         rows = assemble_rows(two_rank_tensor(), 0, 4, torch.float32, lambda block, start, stop, into: into.fill_(1))
         os._exit(0 if rows.sum().item() == 8 else 1)
     _, status = os.waitpid(child, 0)
