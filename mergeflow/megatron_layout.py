@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.fsdp_layout import HF_SUBDIR
+from mergeflow.fsdp_layout import HF_SUBDIR, ROLE_SUBDIRS
 
 METADATA_FILE = ".metadata"
 """The torch_dist archive's index (PyTorch DCP)."""
@@ -32,7 +32,7 @@ class MegatronLayout:
     @property
     def world_size(self) -> int:
         """Ranks that wrote the archive (1 when there is none)."""
-        return writer_ranks(Path(self.dist_ckpt_dir)) if self.dist_ckpt_dir else 1
+        return _writer_ranks(Path(self.dist_ckpt_dir)) if self.dist_ckpt_dir else 1
 
     @property
     def data_files(self) -> tuple[str, ...]:
@@ -65,7 +65,7 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
             return MegatronLayout(str(local_dir), str(dist_ckpt), str(base / HF_SUBDIR))
     if (local_dir / METADATA_FILE).is_file():
         return MegatronLayout(str(local_dir), str(local_dir), str(local_dir.parent / HF_SUBDIR))
-    roles = [role for role in ("actor", "critic") if (local_dir / role).is_dir()]
+    roles = [role for role in ROLE_SUBDIRS if (local_dir / role).is_dir()]
     hint = f": pass {local_dir / roles[0]}" if roles else ""
     raise CheckpointError(
         f"not a Megatron checkpoint: {local_dir} has neither {MODEL_SUBDIR}/{DIST_CKPT_SUBDIR}/ nor "
@@ -73,6 +73,6 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
     )
 
 
-def writer_ranks(dist_ckpt_dir: Path) -> int:
+def _writer_ranks(dist_ckpt_dir: Path) -> int:
     ranks = {int(match[1]) for path in dist_ckpt_dir.iterdir() if (match := DATA_FILE.match(path.name))}
     return len(ranks) or 1
