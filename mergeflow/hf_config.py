@@ -94,9 +94,8 @@ def load_model_spec(
     """
     config_dir = Path(config_dir)
     _config_path(config_dir)
-    options = {"trust_remote_code": trust_remote_code, "is_value_model": is_value_model}
     fields = spec_cache.cached_fields(
-        spec_cache.spec_key(config_dir, options),
+        spec_cache.model_spec_key(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model),
         lambda: _spec_fields(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model),
         required=SPEC_FIELDS,
     )

@@ -24,6 +24,7 @@ FORMAT_VERSION = 2
 """Bumped whenever the stored fields or the way they are derived change."""
 
 _builder_locks: dict[str, threading.Lock] = {}
+_builds_elsewhere: dict[str, Callable[[], object]] = {}
 _builder_locks_guard = threading.Lock()
 
 
@@ -44,6 +45,27 @@ def spec_key(config_dir: Path, options: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
+def model_spec_key(config_dir: Path, *, trust_remote_code: bool, is_value_model: bool) -> str:
+    """The key of a model spec built with these options."""
+    return spec_key(config_dir, {"trust_remote_code": trust_remote_code, "is_value_model": is_value_model})
+
+
+def is_stored(key: str) -> bool:
+    """Whether an entry is stored under `key` (read without building anything)."""
+    return _stored_fields(cache_dir() / SPEC_SUBDIR / f"{key}.json", ()) is not None
+
+
+def build_elsewhere(key: str, wait: Callable[[], object]) -> None:
+    """Note that another process is building the entry `key`: a lookup that misses it calls `wait` and
+    looks again before building it a second time."""
+    _builds_elsewhere[key] = wait
+
+
+def built_elsewhere(key: str) -> None:
+    """The build noted by `build_elsewhere` has ended (stored or not)."""
+    _builds_elsewhere.pop(key, None)
+
+
 def cached_fields(key: str, build: Callable[[], dict[str, Any]], required: Iterable[str] = ()) -> dict[str, Any]:
     """The stored JSON fields under `key`, or `build()`'s, which are then stored (best effort, atomically).
 
@@ -52,6 +74,10 @@ def cached_fields(key: str, build: Callable[[], dict[str, Any]], required: Itera
     path = cache_dir() / SPEC_SUBDIR / f"{key}.json"
     required = tuple(required)
     stored = _stored_fields(path, required)
+    wait = _builds_elsewhere.get(key)
+    if stored is None and wait is not None:
+        wait()
+        stored = _stored_fields(path, required)
     if stored is not None:
         return stored
     with _builder_lock(key):

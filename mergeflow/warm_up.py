@@ -2,10 +2,11 @@
 seconds to come up, with the CPU and the disk idle).
 
 The warm-up starts reading the checkpoint's files ahead (on until the pipeline's own read-ahead ends)
-and builds the model spec into the spec cache, so the pipeline's config step finds the spec ready (or
-waits for the build already under way instead of starting a second one). This module imports no
-torch, so the warm-up can start before the pipeline's imports, which take seconds. It changes nothing
-the merge writes: any problem it meets is left for the pipeline to report, with its context.
+and builds the model spec into the spec cache in a child process (`mergeflow.spec_build`, off this
+process's GIL), so the pipeline's config step finds the spec ready (or waits for the build already
+under way instead of starting a second one). This module imports no torch, so the warm-up can start
+before the pipeline's imports, which take seconds. It changes nothing the merge writes: any problem it
+meets is left for the pipeline to report, with its context.
 """
 
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 from mergeflow.fsdp_layout import default_config_dir, find_rank_files
 from mergeflow.megatron_layout import find_megatron_checkpoint
 from mergeflow.read_ahead import start_read_ahead
+from mergeflow.spec_build import SpecBuild
 
 
 def start_warm_up(
@@ -47,12 +49,10 @@ def _warm_up(
         else:
             data_files, config_dir = find_rank_files(local_dir).data_files, default_config_dir(local_dir)
         start_read_ahead(data_files)
-        from mergeflow.hf_config import load_model_spec  # imports torch: after the read-ahead has started
-
-        load_model_spec(
+        SpecBuild(
             Path(hf_model_config_path) if hf_model_config_path else config_dir,
             trust_remote_code=trust_remote_code,
             is_value_model=is_value_model,
-        )
+        ).wait()
     except Exception:  # the pipeline meets the same problem and reports it
         return

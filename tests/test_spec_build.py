@@ -1,0 +1,57 @@
+"""A model spec built in a child process: looked up as if built here, reported here when the child fails."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mergeflow import spec_cache
+from mergeflow.errors import CheckpointError
+from mergeflow.fsdp_layout import default_config_dir
+from mergeflow.hf_config import load_model_spec
+from mergeflow.spec_build import SpecBuild
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(spec_cache.CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def stored(config_dir) -> bool:
+    return spec_cache.is_stored(spec_cache.model_spec_key(config_dir, trust_remote_code=False, is_value_model=False))
+
+
+def test_the_child_stores_the_spec_a_build_here_gives(fixtures, empty_cache, monkeypatch, tmp_path):
+    config_dir = default_config_dir(fixtures["qwen2-ws2"].checkpoint_dir)
+
+    from_child = SpecBuild(config_dir).spec()
+
+    assert stored(config_dir)
+    monkeypatch.setenv(spec_cache.CACHE_DIR_VARIABLE, str(tmp_path / "another-cache"))
+    assert load_model_spec(config_dir) == from_child
+
+
+def test_a_spec_already_cached_starts_no_child(fixtures, empty_cache):
+    config_dir = default_config_dir(fixtures["qwen2-ws2"].checkpoint_dir)
+    load_model_spec(config_dir)
+
+    assert SpecBuild(config_dir).done()
+
+
+def test_a_spec_the_child_cannot_build_is_reported_with_the_config_file(tmp_path, empty_cache):
+    config_dir = tmp_path / "huggingface"
+    config_dir.mkdir()
+    (config_dir / "config.json").write_text('{"model_type": "no-such-model"}')
+    build = SpecBuild(config_dir)
+
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        build.spec()
+
+    assert not stored(config_dir)
+
+
+def test_the_spec_build_starts_without_importing_torch():
+    check = "import sys, mergeflow.spec_build; sys.exit('torch' in sys.modules)"
+
+    assert subprocess.run([sys.executable, "-c", check], check=False).returncode == 0
