@@ -47,10 +47,15 @@ def staged_output(target_dir: Path, *, overwrite: bool) -> Iterator[Path]:
 def resumable_staging(target_dir: Path, merge_key: str) -> Path:
     """The staging directory beside the target for one merge (named by its key); what an interrupted run
     of the same merge left there is kept, so shards already written need not be written again."""
-    target_dir = Path(target_dir).absolute()
-    staging = target_dir.parent / f"{STAGING_PREFIX}{target_dir.name}-{merge_key[:16]}"
+    staging = staging_dir_of(target_dir, merge_key)
     staging.mkdir(parents=True, exist_ok=True)
     return staging
+
+
+def staging_dir_of(target_dir: Path, merge_key: str) -> Path:
+    """Where `resumable_staging` keeps one merge's staging directory (not created here)."""
+    target_dir = Path(target_dir).absolute()
+    return target_dir.parent / f"{STAGING_PREFIX}{target_dir.name}-{merge_key[:16]}"
 
 
 def publish(staging: Path, target_dir: Path, *, overwrite: bool) -> None:

@@ -79,16 +79,25 @@ def start_read_ahead(paths: Sequence[str]) -> None:
 
 @contextmanager
 def read_ahead(paths: Sequence[str]) -> Iterator[None]:
-    """Read `paths` ahead into the page cache while the block runs.
+    """Read `paths` ahead into the page cache while the block runs (or until `stop_read_ahead`).
 
     A read-ahead `start_read_ahead` began for the same paths is carried on (not restarted) and ends with the block.
     """
     key = tuple(paths)
     with _readers_lock:
-        reader = _readers.pop(key, None) or _Reader(key)
+        reader = _readers.get(key) or _readers.setdefault(key, _Reader(key))
     try:
         yield
     finally:
+        stop_read_ahead(key)
+        reader.stop()
+
+
+def stop_read_ahead(paths: Sequence[str]) -> None:
+    """End the read-ahead of `paths` now (the merge reads them for itself from here on)."""
+    with _readers_lock:
+        reader = _readers.pop(tuple(paths), None)
+    if reader is not None:
         reader.stop()
 
 

@@ -3,8 +3,10 @@
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +38,11 @@ class ShardWritten:
     size: int
     sha256: str
     resumed: bool = False
+    """Found finished in the output folder (an interrupted run, or an early write, wrote it as planned)."""
+
+
+class ShardWriteStopped(Exception):
+    """A shard's write was stopped part way (its `.partial` file is removed)."""
 
 
 def save_model(
@@ -55,15 +62,33 @@ def save_model(
 
     `chunk_bytes` bounds each assembled block of rows, and so the merge's memory.
     """
-    started = time.monotonic()
     target_dir = Path(target_dir).absolute()
     with staged_output(target_dir, overwrite=overwrite) as staging:
-        written = []
-        if plan is not None:
-            written = write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
-        write_model_files(plan, index, spec, staging, target_dir, adapter=adapter, progress=progress)
-        saved = describe_output(plan, adapter, staging, written, seconds=time.monotonic() - started)
+        saved = save_staged(
+            plan, index, spec, staging, target_dir, adapter=adapter, progress=progress, chunk_bytes=chunk_bytes
+        )
     return relocated(saved, target_dir)
+
+
+def save_staged(
+    plan: MergePlan | None,
+    index: ShardIndex,
+    spec: ModelSpec,
+    staging: Path,
+    target_dir: Path,
+    *,
+    adapter: AdapterPlan | None = None,
+    progress: bool = True,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> SavedModel:
+    """`save_model`'s files written into `staging`, to become `target_dir`; shards already there as
+    planned are kept. The manifest describes `staging`."""
+    started = time.monotonic()
+    written = []
+    if plan is not None:
+        written = write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
+    write_model_files(plan, index, spec, staging, target_dir, adapter=adapter, progress=progress)
+    return describe_output(plan, adapter, staging, written, seconds=time.monotonic() - started)
 
 
 def write_model_files(
@@ -152,38 +177,55 @@ def write_shard(
     *,
     chunk_bytes: int = CHUNK_BYTES,
     on_bytes: Callable[[int], object] | None = None,
+    stop: threading.Event | None = None,
 ) -> ShardWritten:
     """Stream one planned safetensors file from the checkpoint, resumably.
 
     The file is written as `<name>.partial` and renamed when complete, then a `.<name>.done` marker
-    records its size and SHA-256. A shard whose marker and file agree with the plan is kept as it is,
-    so a merge killed part way only writes the shards it had not finished. Chunks are assembled on a
-    background thread while the previous ones are written.
+    records its size, SHA-256 and a digest of its plan. A shard whose marker and file agree with the
+    plan is kept as it is, so a merge killed part way only writes the shards it had not finished. Chunks
+    are assembled on a background thread while the previous ones are written.
+
+    Raises:
+        ShardWriteStopped: `stop` was set before the file was complete.
     """
     tensors = sorted((plan.tensors[name] for name in plan.shard_to_names[filename]), key=_safetensors_order)
     entries = [TensorEntry(t.name, t.dtype, t.shape) for t in tensors]
     final, marker = output_dir / filename, shard_marker(output_dir, filename)
     expected_size = len(build_header(entries)) + sum(entry.nbytes for entry in entries)
-    finished = _finished_shard(final, marker, expected_size)
+    planned = shard_plan_digest(plan, filename)
+    finished = _finished_shard(final, marker, expected_size, planned)
     if finished is not None:
         if on_bytes is not None:
             on_bytes(expected_size)
         return finished
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    with (
-        contextlib.closing(open_tensors(index)) as reader,
-        SafetensorsWriter(partial, entries) as writer,
-    ):
-        for tensor_name, chunk in prefetched(_chunks(tensors, reader, chunk_bytes)):
-            writer.write(tensor_name, chunk)
-            if on_bytes is not None:
-                on_bytes(chunk.numel() * chunk.element_size())
+    try:
+        with (
+            contextlib.closing(open_tensors(index)) as reader,
+            SafetensorsWriter(partial, entries) as writer,
+        ):
+            for tensor_name, chunk in prefetched(_chunks(tensors, reader, chunk_bytes)):
+                if stop is not None and stop.is_set():
+                    raise ShardWriteStopped(f"{final}: stopped before it was complete")
+                writer.write(tensor_name, chunk)
+                if on_bytes is not None:
+                    on_bytes(chunk.numel() * chunk.element_size())
+    except ShardWriteStopped:
+        partial.unlink(missing_ok=True)
+        raise
     written = ShardWritten(filename, expected_size, writer.sha256)
     os.replace(partial, final)
     marker_tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
-    marker_tmp.write_text(json.dumps({"size": written.size, "sha256": written.sha256}))
+    marker_tmp.write_text(json.dumps({"size": written.size, "sha256": written.sha256, "plan": planned}))
     os.replace(marker_tmp, marker)
     return written
+
+
+def shard_plan_digest(plan: MergePlan, filename: str) -> str:
+    """A digest of what file `filename` holds: each tensor's name, source, shape, dtype, view and fold."""
+    tensors = [plan.tensors[name] for name in sorted(plan.shard_to_names[filename])]
+    return hashlib.sha256(repr(tensors).encode()).hexdigest()
 
 
 def shard_marker(output_dir: Path, filename: str) -> Path:
@@ -197,14 +239,14 @@ def clear_shard_markers(folder: Path) -> None:
             path.unlink()
 
 
-def _finished_shard(final: Path, marker: Path, expected_size: int) -> ShardWritten | None:
+def _finished_shard(final: Path, marker: Path, expected_size: int, planned: str) -> ShardWritten | None:
     if not (final.is_file() and marker.is_file()):
         return None
     try:
         record = json.loads(marker.read_text())
     except (OSError, ValueError):
         return None
-    if record.get("size") != expected_size or final.stat().st_size != expected_size:
+    if record.get("plan") != planned or record.get("size") != expected_size or final.stat().st_size != expected_size:
         return None
     return ShardWritten(final.name, expected_size, record["sha256"], resumed=True)
 

@@ -13,15 +13,23 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from mergeflow import spec_cache
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
+_running: dict[str, subprocess.Popen] = {}
+"""The child last started for each spec key, so builds asked for while it runs join it."""
+_running_lock = threading.Lock()
+
 
 class SpecBuild:
-    """The spec of one config directory, being built in a child process (or already cached: no child)."""
+    """The spec of one config directory, being built in a child process (or already cached: no child).
+
+    A build of the same spec still running in this process (the CLI's warm-up's) is joined, not repeated.
+    """
 
     def __init__(self, config_dir: Path, *, trust_remote_code: bool = False, is_value_model: bool = False):
         self.config_dir = Path(config_dir)
@@ -31,15 +39,20 @@ class SpecBuild:
             self.config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model
         )
         self._process: subprocess.Popen | None = None
-        if not spec_cache.is_stored(self._key):
-            self._process = subprocess.Popen(
-                _child_command(self.config_dir, trust_remote_code, is_value_model),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=_child_environment(),
-            )
-            spec_cache.build_elsewhere(self._key, self.wait)
+        if spec_cache.is_stored(self._key):
+            return
+        with _running_lock:
+            running = _running.get(self._key)
+            if running is None or running.poll() is not None:
+                running = _running[self._key] = subprocess.Popen(
+                    _child_command(self.config_dir, trust_remote_code, is_value_model),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=_child_environment(),
+                )
+        self._process = running
+        spec_cache.build_elsewhere(self._key, self.wait)
 
     def done(self) -> bool:
         """Whether the spec can be looked up without waiting."""
