@@ -18,22 +18,23 @@ VERL_PACKAGE = "verl"
 
 
 def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
-    """As `mergeflow merge` does it: the read-ahead starts before the imports that need torch."""
+    """The merge flow's engine steps, as `mergeflow merge` starts them: the read-ahead and the spec's build (a
+    child process) begin before the imports that need torch, and the shards are written while the spec is
+    built (`mergeflow.early_write`)."""
     from mergeflow.fsdp_layout import default_config_dir, find_rank_files
     from mergeflow.read_ahead import read_ahead, start_read_ahead
+    from mergeflow.spec_build import SpecBuild
 
     rank_files = find_rank_files(checkpoint_dir)
     start_read_ahead(rank_files.data_files)
+    build = SpecBuild(default_config_dir(checkpoint_dir))
 
+    from mergeflow.early_write import save_model_early
     from mergeflow.fsdp import index_shards
-    from mergeflow.hf_config import load_model_spec
-    from mergeflow.planning import plan_merge
-    from mergeflow.save import save_model
 
     with read_ahead(rank_files.data_files):
-        spec = load_model_spec(default_config_dir(checkpoint_dir))
-    index = index_shards(rank_files)
-    save_model(plan_merge(index, spec, dtype="bf16"), index, spec, target_dir, progress=False)
+        index = index_shards(rank_files)
+    save_model_early(index, build, target_dir, dtype="bf16", progress=False)
 
 
 def import_verl_merger():

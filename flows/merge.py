@@ -11,17 +11,21 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
-from mergeflow.errors import OptionError, ValidationError
+from mergeflow.early_write import EarlyWrite, early_write
+from mergeflow.errors import MergeflowError, OptionError, ValidationError
 from mergeflow.fingerprint import MergeKey
+from mergeflow.fsdp import index_shards
+from mergeflow.fsdp_layout import RankFiles, default_config_dir
 from mergeflow.hub import check_repo_id, default_revision, training_step
 from mergeflow.lora import LoraPlan, describe_lora
 from mergeflow.manifest import SavedModel, output_intact
 from mergeflow.megatron_layout import MegatronLayout
 from mergeflow.model_card import MergeFacts
-from mergeflow.output import check_target, resumable_staging
-from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
+from mergeflow.output import check_target, resumable_staging, staging_dir_of
+from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan
 from mergeflow.read_ahead import read_ahead
 from mergeflow.run_layout import label_of
+from mergeflow.spec_build import SpecBuild
 from mergeflow.validation import ValidationReport
 from tasks.cache import MERGE_CACHE, recorded_merge
 from tasks.copy_model import copy_model
@@ -104,7 +108,8 @@ def merge_model(
         facts = merge_facts(source.checkpoint_dir, source.world_size, staged, report, options, started)
         write_card(staged.target_dir, facts)
         return publish(staged, target_dir, overwrite=overwrite)
-    with read_ahead(source.data_files):
+    staging = staging_dir_of(Path(target_dir), key.digest)
+    with read_ahead(source.data_files), writing_early(source, local_dir, staging, options) as early:
         spec = load_config(
             local_dir,
             options.hf_model_config_path or default_config_dir_of(source),
@@ -112,11 +117,12 @@ def merge_model(
             is_value_model=options.is_value_model,
             tie_word_embedding=options.tie_word_embedding,
         )
-    index = load_shards(source, spec)
-    lora, adapter = extract_lora(
-        index, spec, merge_lora=options.merge_lora, lora_alpha=options.lora_alpha, dtype=options.dtype
-    )
-    plan = merge(index, spec, dtype=options.dtype, max_shard_size=options.max_shard_size, lora=lora)
+        index = load_shards(source, spec)
+        lora, adapter = extract_lora(
+            index, spec, merge_lora=options.merge_lora, lora_alpha=options.lora_alpha, dtype=options.dtype
+        )
+        plan = merge(index, spec, dtype=options.dtype, max_shard_size=options.max_shard_size, lora=lora)
+        report_early_write(early, plan)
     staging = resumable_staging(Path(target_dir), key.digest)
     staged = save(plan, index, spec, str(staging), target_dir, adapter=adapter, progress=progress)
     report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits)
@@ -126,6 +132,33 @@ def merge_model(
     facts = merge_facts(index.checkpoint_dir, index.world_size, staged, report, options, started, lora=lora)
     write_card(staged.target_dir, facts)
     return publish(staged, target_dir, overwrite=overwrite)
+
+
+def writing_early(source: RankFiles | MegatronLayout, local_dir: str, staging: Path, options: MergeOptions):
+    """An FSDP checkpoint whose config has not been seen has its shards written while the spec is built
+    (`mergeflow.early_write`); a cached spec, a Megatron archive or LoRA adapters write nothing early."""
+    if not isinstance(source, RankFiles):
+        return early_write(None, None, staging)
+    config_dir = Path(options.hf_model_config_path) if options.hf_model_config_path else default_config_dir(Path(local_dir))
+    try:
+        build = SpecBuild(
+            config_dir, trust_remote_code=options.trust_remote_code, is_value_model=options.is_value_model
+        )
+        index = None if build.done() else index_shards(source)
+    except (OSError, MergeflowError):  # load-config and load-shards meet the same problem and report it
+        return early_write(None, None, staging)
+    return early_write(index, build, staging, dtype=options.dtype, max_shard_size=options.max_shard_size)
+
+
+def report_early_write(early: EarlyWrite, plan: MergePlan | None) -> None:
+    """Settle the early write against the plan and say what it kept."""
+    kept = early.settle(plan)
+    if early.guess is not None:
+        get_run_logger().info(
+            "%d of %d shard file(s) written while the config was read were kept as planned",
+            len(kept),
+            len(early.guess.shard_to_names),
+        )
 
 
 def check_report(report: ValidationReport, staging: Path) -> None:

@@ -40,7 +40,7 @@ def save(
         len(saved.files),
         saved.total_size,
         saved.seconds,
-        f" ({resumed} shard(s) kept from an interrupted run)" if resumed else "",
+        f" ({resumed} shard(s) already written as planned)" if resumed else "",
     )
     return saved
 

@@ -14,12 +14,13 @@ from mergeflow.save import write_shard as write_shard_file
 def write_shard(
     plan: MergePlan, index: ShardIndex, staging_dir: str, filename: str, *, progress: bool = False
 ) -> ShardWritten:
-    """Stream one output safetensors file into the staging directory; a file an interrupted run finished is kept."""
+    """Stream one output safetensors file into the staging directory; a file already there as planned (an
+    interrupted run's, or one written while the config was read) is kept."""
     size = sum(plan.tensors[name].nbytes for name in plan.shard_to_names[filename])
     with tqdm(total=size, unit="B", unit_scale=True, desc=filename, disable=not progress) as bar:
         written = write_shard_file(plan, index, Path(staging_dir), filename, on_bytes=bar.update)
     if written.resumed:
-        get_run_logger().info("%s: kept from an interrupted run (%d bytes)", filename, written.size)
+        get_run_logger().info("%s: already written as planned (%d bytes)", filename, written.size)
     else:
         get_run_logger().info("%s: %d bytes written", filename, written.size)
     return written
