@@ -19,10 +19,10 @@ VERL_PACKAGE = "verl"
 
 def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
     """The merge flow's engine steps, as `mergeflow merge` starts them: the read-ahead and the spec's build (a
-    child process) begin before the imports that need torch, and the shards are written while the spec is
-    built (`mergeflow.early_write`)."""
+    child process) begin before the imports that need torch; the read-ahead ends when the merge starts
+    reading for itself, and the shards are written while the spec is built (`mergeflow.early_write`)."""
     from mergeflow.fsdp_layout import default_config_dir, find_rank_files
-    from mergeflow.read_ahead import read_ahead, start_read_ahead
+    from mergeflow.read_ahead import start_read_ahead, stop_read_ahead
     from mergeflow.spec_build import SpecBuild
 
     rank_files = find_rank_files(checkpoint_dir)
@@ -32,8 +32,8 @@ def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
     from mergeflow.early_write import save_model_early
     from mergeflow.fsdp import index_shards
 
-    with read_ahead(rank_files.data_files):
-        index = index_shards(rank_files)
+    stop_read_ahead(rank_files.data_files)  # from here on the merge reads for itself
+    index = index_shards(rank_files)
     save_model_early(index, build, target_dir, dtype="bf16", progress=False)
 
 

@@ -1,5 +1,8 @@
 """The merge pipeline: fingerprint, then (once per fingerprint) world size, config, shards, LoRA, plan, the
-shards written as their own task runs, validation, model card and publication; then the upload."""
+shards written as their own task runs, validation, model card and publication; then the upload.
+
+While a config not seen before is read, an FSDP checkpoint's shards are already being written as the
+checkpoint alone suggests (`mergeflow.early_write`); the shard tasks keep those the plan agrees with."""
 
 import shutil
 import time
@@ -23,7 +26,7 @@ from mergeflow.megatron_layout import MegatronLayout
 from mergeflow.model_card import MergeFacts
 from mergeflow.output import check_target, resumable_staging, staging_dir_of
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan
-from mergeflow.read_ahead import read_ahead
+from mergeflow.read_ahead import read_ahead, stop_read_ahead
 from mergeflow.run_layout import label_of
 from mergeflow.spec_build import SpecBuild
 from mergeflow.validation import ValidationReport
@@ -109,14 +112,15 @@ def merge_model(
         write_card(staged.target_dir, facts)
         return publish(staged, target_dir, overwrite=overwrite)
     staging = staging_dir_of(Path(target_dir), key.digest)
-    with read_ahead(source.data_files), writing_early(source, local_dir, staging, options) as early:
-        spec = load_config(
-            local_dir,
-            options.hf_model_config_path or default_config_dir_of(source),
-            trust_remote_code=options.trust_remote_code,
-            is_value_model=options.is_value_model,
-            tie_word_embedding=options.tie_word_embedding,
-        )
+    with writing_early(source, local_dir, staging, options) as early:
+        with read_ahead(source.data_files, start=not early.writing):  # the disk is idle while a spec builds
+            spec = load_config(
+                local_dir,
+                options.hf_model_config_path or default_config_dir_of(source),
+                trust_remote_code=options.trust_remote_code,
+                is_value_model=options.is_value_model,
+                tie_word_embedding=options.tie_word_embedding,
+            )
         index = load_shards(source, spec)
         lora, adapter = extract_lora(
             index, spec, merge_lora=options.merge_lora, lora_alpha=options.lora_alpha, dtype=options.dtype
@@ -136,7 +140,8 @@ def merge_model(
 
 def writing_early(source: RankFiles | MegatronLayout, local_dir: str, staging: Path, options: MergeOptions):
     """An FSDP checkpoint whose config has not been seen has its shards written while the spec is built
-    (`mergeflow.early_write`); a cached spec, a Megatron archive or LoRA adapters write nothing early."""
+    (`mergeflow.early_write`), and any read-ahead of its files ends first; a cached spec, a Megatron
+    archive or LoRA adapters write nothing early."""
     if not isinstance(source, RankFiles):
         return early_write(None, None, staging)
     config_dir = Path(options.hf_model_config_path) if options.hf_model_config_path else default_config_dir(Path(local_dir))
@@ -144,7 +149,10 @@ def writing_early(source: RankFiles | MegatronLayout, local_dir: str, staging: P
         build = SpecBuild(
             config_dir, trust_remote_code=options.trust_remote_code, is_value_model=options.is_value_model
         )
-        index = None if build.done() else index_shards(source)
+        if build.done():
+            return early_write(None, None, staging)
+        stop_read_ahead(source.data_files)
+        index = index_shards(source)
     except (OSError, MergeflowError):  # load-config and load-shards meet the same problem and report it
         return early_write(None, None, staging)
     return early_write(index, build, staging, dtype=options.dtype, max_shard_size=options.max_shard_size)

@@ -13,19 +13,26 @@ would have spent waiting.
 """
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from mergeflow.errors import MergeflowError, OptionError
 from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec
+from mergeflow.hf_config import CONFIG_FILE, ModelSpec
 from mergeflow.lora import LORA_ONLY_MARKERS
 from mergeflow.manifest import SavedModel
 from mergeflow.output import staged_output
 from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan, plan_merge
-from mergeflow.read_ahead import stop_read_ahead
-from mergeflow.save import ShardWriteStopped, relocated, save_staged, shard_marker, write_shard
+from mergeflow.save import (
+    PARTIAL_SUFFIX,
+    ShardWriteStopped,
+    relocated,
+    save_staged,
+    shard_marker,
+    write_shard,
+)
 from mergeflow.spec_build import SpecBuild
 from mergeflow.streaming import CHUNK_BYTES
 
@@ -53,6 +60,11 @@ class EarlyWrite:
             self._created_staging = not self.staging.exists()
             self.staging.mkdir(parents=True, exist_ok=True)
             self._thread.start()
+
+    @property
+    def writing(self) -> bool:
+        """Whether there is a guess to write (the spec was still being built)."""
+        return self.guess is not None
 
     @property
     def settled(self) -> bool:
@@ -89,6 +101,7 @@ class EarlyWrite:
             except ShardWriteStopped:
                 return
             except Exception:  # the merge's own write meets the same problem and reports it
+                (self.staging / f"{filename}{PARTIAL_SUFFIX}").unlink(missing_ok=True)
                 return
             finally:
                 with self._lock:
@@ -107,22 +120,33 @@ def early_write(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[EarlyWrite]:
     """Write `index`'s guessed shards into `staging` while `build` runs; nothing is written without a build
-    still running, without an index (a Megatron archive maps its names through the spec) or for LoRA
-    adapters. The block must `settle` the write; a block that raises removes what it wrote.
+    still running, without an index (a Megatron archive maps its names through the spec), for LoRA
+    adapters, or for custom code not allowed to run. The block must `settle` the write; a block that
+    raises removes what it wrote.
 
-    The checkpoint's read-ahead ends when the write starts: from then on the write reads for itself.
+    A read-ahead of the checkpoint should end before it is indexed (`stop_read_ahead`): its queued reads
+    would delay the index's and the write's own.
     """
     guess = None
-    if index is not None and build is not None and not build.done():
+    if index is not None and build is not None and not build.done() and not may_be_refused(build):
         guess = guessed_plan(index, build.config_dir, dtype, max_shard_size)
-    if guess is not None:
-        stop_read_ahead(index.rank_files)
     early = EarlyWrite(index, guess, staging, chunk_bytes=chunk_bytes)
     try:
         yield early
     finally:
         if not early.settled:
             early.settle(None)
+
+
+def may_be_refused(build: SpecBuild) -> bool:
+    """Whether config.json names custom code (`auto_map`) that the merge may not run: the spec lookup is
+    likely to refuse it, and nothing should be written first."""
+    if build.trust_remote_code:
+        return False
+    try:
+        return "auto_map" in json.loads((build.config_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return True
 
 
 def checkpoint_guess(index: ShardIndex, config_dir: Path) -> ModelSpec:

@@ -78,19 +78,23 @@ def start_read_ahead(paths: Sequence[str]) -> None:
 
 
 @contextmanager
-def read_ahead(paths: Sequence[str]) -> Iterator[None]:
+def read_ahead(paths: Sequence[str], *, start: bool = True) -> Iterator[None]:
     """Read `paths` ahead into the page cache while the block runs (or until `stop_read_ahead`).
 
-    A read-ahead `start_read_ahead` began for the same paths is carried on (not restarted) and ends with the block.
+    A read-ahead `start_read_ahead` began for the same paths is carried on (not restarted) and ends with
+    the block; with `start` false the block only ends such a read-ahead, and starts none.
     """
     key = tuple(paths)
     with _readers_lock:
-        reader = _readers.get(key) or _readers.setdefault(key, _Reader(key))
+        reader = _readers.get(key)
+        if reader is None and start:
+            reader = _readers[key] = _Reader(key)
     try:
         yield
     finally:
         stop_read_ahead(key)
-        reader.stop()
+        if reader is not None:
+            reader.stop()
 
 
 def stop_read_ahead(paths: Sequence[str]) -> None:

@@ -20,6 +20,9 @@ from mergeflow import spec_cache
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
+CHILD_NICENESS = 19
+"""The child runs on the CPU the merge leaves idle: the spec is needed only once the weights are written."""
+
 _running: dict[str, subprocess.Popen] = {}
 """The child last started for each spec key, so builds asked for while it runs join it."""
 _running_lock = threading.Lock()
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args(argv)
+    os.nice(CHILD_NICENESS)
     from mergeflow.hf_config import load_model_spec
 
     load_model_spec(

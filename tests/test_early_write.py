@@ -9,7 +9,7 @@ import pytest
 
 from flows.merge import merge_checkpoint
 from mergeflow import spec_cache
-from mergeflow.early_write import EarlyWrite, guessed_plan, save_model_early
+from mergeflow.early_write import EarlyWrite, early_write, guessed_plan, save_model_early
 from mergeflow.errors import OptionError, PlanError
 from mergeflow.fsdp import index_shards
 from mergeflow.fsdp_layout import default_config_dir, find_rank_files
@@ -164,3 +164,13 @@ def test_the_flow_keeps_the_shards_it_wrote_while_a_new_config_was_read(fixtures
     flow_files = folder_bytes(tmp_path / "flow")
     del flow_files["README.md"]
     assert flow_files == folder_bytes(tmp_path / "engine")
+
+
+def test_custom_code_that_may_not_run_writes_nothing_early(fixtures, empty_cache, tmp_path):
+    checkpoint_dir = fixtures["remote-code-ws2"].checkpoint_dir
+
+    with early_write(index_of(checkpoint_dir), SpecBuild(default_config_dir(checkpoint_dir)), tmp_path / "staging") as early:
+        early.settle(None)
+
+    assert early.guess is None
+    assert not (tmp_path / "staging").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mergeflow import pages
 from mergeflow import read_ahead as read_ahead_module
-from mergeflow.read_ahead import read_ahead, start_read_ahead
+from mergeflow.read_ahead import read_ahead, start_read_ahead, stop_read_ahead
 
 FILE_BYTES = 8 * 1024 * 1024
 WAIT_SECONDS = 10
@@ -118,3 +118,20 @@ def test_a_started_read_ahead_ends_with_the_block_of_its_files(tmp_path):
         pass
 
     assert read_ahead_threads() == 0
+
+
+def test_a_stopped_read_ahead_ends_before_its_block(tmp_path):
+    files = [str(cold_file(tmp_path / name)) for name in ("a.pt", "b.pt", "c.pt")]
+
+    with read_ahead(files):
+        stop_read_ahead(files)
+        assert read_ahead_threads() == 0
+
+
+def test_a_block_that_may_not_start_a_read_ahead_reads_nothing(tmp_path):
+    path = cold_file(tmp_path / "a.pt")
+
+    with read_ahead([str(path)], start=False):
+        time.sleep(0.2)
+        assert read_ahead_threads() == 0
+        assert not cached(path)
