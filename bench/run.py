@@ -5,23 +5,24 @@
 
 For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, runs each tool in a fresh
 process with a cold and a warm page cache, and checks that mergeflow's and verl's outputs hold
-identical tensors. mergeflow runs first with an empty model-spec cache (a config it has not seen: the
-first merge of a training run, which imports transformers and builds the model on the meta device),
-then with the spec remembered, as for every later checkpoint of the run. The I/O floor (`cat` of the
-shards from a cold page cache, plus writing the output's size once) is sampled after mergeflow's runs
-and after each of verl's. All of it is repeated for `--rounds` rounds, the tools taking turns, so the
-disk's drift over minutes reaches both alike; the table reports medians, and every run is in the JSON.
+identical tensors. mergeflow runs with an empty model-spec cache (a config it has not seen: the first
+merge of a training run, which imports transformers and builds the model on the meta device), and with
+the spec remembered, as for every later checkpoint of the run. The I/O floor (`cat` of the shards from
+a cold page cache, plus writing the output's size once) is sampled after every run. All of it is
+repeated for `--rounds` rounds, the order of the runs rotated by one place each round, so the disk's
+drift over minutes (and a throttled disk's slowness after a burst) reaches every kind of run alike; the
+table reports medians, and every run is in the JSON.
 verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
 """
 
 import argparse
-import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,7 +39,6 @@ WRITE_BLOCK = 64 * 1024 * 1024
 GB = 1e9
 QUIET_SECONDS = 2.0
 QUIET_TIMEOUT_SECONDS = 300.0
-FLOOR_SAMPLES = 3
 ROUNDS = 3
 
 
@@ -128,18 +128,57 @@ def median_floor(floors: list[dict[str, float]]) -> dict[str, float]:
     return sorted(floors, key=lambda floor: floor["cat_seconds"] + floor["write_seconds"])[len(floors) // 2]
 
 
-def mergeflow_runs(checkpoint_dir: Path, target: Path, spec_cache: Path) -> list[dict]:
-    """Cold with a config mergeflow has not seen (spec built from transformers), then cold and warm with it
-    remembered, as for every later checkpoint of the same run."""
-    shutil.rmtree(spec_cache, ignore_errors=True)
-    runs = []
-    for cold, label in ((True, "new config"), (True, "seen config"), (False, "seen config")):
-        print(f"{checkpoint_dir.name}: mergeflow ({'cold' if cold else 'warm'} cache, {label}) ...", flush=True)
-        run = run_job("mergeflow", checkpoint_dir, target if label == "new config" else warm_target(target),
-                      cold=cold, spec_cache=spec_cache)
-        runs.append({**run, "config": label})
-    shutil.rmtree(warm_target(target), ignore_errors=True)
-    return runs
+@dataclass(frozen=True)
+class Step:
+    """One timed run of a round: a tool, a page cache, and for mergeflow whether it has seen the config."""
+
+    tool: str
+    cold: bool
+    config: str = "-"
+
+    def describe(self) -> str:
+        config = f", {self.config}" if self.tool == "mergeflow" else ""
+        return f"{self.tool} ({'cold' if self.cold else 'warm'} cache{config})"
+
+
+STEPS = (
+    Step("mergeflow", cold=True, config="new config"),
+    Step("mergeflow", cold=True, config="seen config"),
+    Step("mergeflow", cold=False, config="seen config"),
+    Step("verl", cold=True),
+    Step("verl", cold=False),
+)
+
+
+def round_steps(round_number: int, with_verl: bool) -> list[Step]:
+    """The round's steps, rotated by one more place each round: a run that follows heavy I/O (the disk's
+    speed drifts, and a throttled disk is slower after a burst) is not always the same kind of run."""
+    steps = [step for step in STEPS if with_verl or step.tool != "verl"]
+    shift = (round_number - 1) % len(steps)
+    return steps[shift:] + steps[:shift]
+
+
+def run_step(step: Step, checkpoint_dir: Path, outputs: dict[str, Path], spec_caches: dict[str, Path]) -> dict:
+    """A config mergeflow has not seen runs with an emptied spec cache (it imports transformers and builds
+    the model on the meta device); a seen one with the cache its spec was stored in before the rounds, as
+    for every later checkpoint of a training run. The first cold run of each tool writes the output the
+    tools' outputs are compared by."""
+    keep_output = step.cold and step.config != "seen config"
+    target = outputs[step.tool] if keep_output else warm_target(outputs[step.tool])
+    spec_cache = spec_caches.get(step.config, spec_caches["seen config"])
+    if step.config == "new config":
+        shutil.rmtree(spec_cache, ignore_errors=True)
+    print(f"{checkpoint_dir.name}: {step.describe()} ...", flush=True)
+    run = run_job(step.tool, checkpoint_dir, target, cold=step.cold, spec_cache=spec_cache)
+    if not keep_output:
+        shutil.rmtree(target, ignore_errors=True)
+    return {**run, "config": step.config} if step.tool == "mergeflow" else run
+
+
+def store_spec(checkpoint_dir: Path, spec_cache: Path) -> None:
+    """Build the checkpoint's spec into `spec_cache`, untimed, as a first merge of its config would."""
+    subprocess.run([sys.executable, "-m", "mergeflow.spec_build", str(checkpoint_dir / "huggingface")],
+                   env={**os.environ, CACHE_DIR_VARIABLE: str(spec_cache)}, check=True)
 
 
 def warm_target(target: Path) -> Path:
@@ -169,8 +208,8 @@ def output_bytes(model_dir: Path) -> int:
 
 
 def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int) -> dict:
-    """`rounds` rounds, each of mergeflow's three runs, verl's two and an I/O floor sample after each tool:
-    the disk's drift then reaches both tools alike, and the medians count."""
+    """`rounds` rounds, each of mergeflow's three runs and verl's two (`round_steps`), an I/O floor sample
+    after each run; the medians count."""
     checkpoint_dir = workdir / "checkpoints" / model
     if not (checkpoint_dir / "fsdp_config.json").exists() or len(shard_files(checkpoint_dir)) != WORLD_SIZE:
         print(f"writing {model} checkpoint ({WORLD_SIZE} ranks, fp32) ...", flush=True)
@@ -178,26 +217,15 @@ def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int) -> dict
         write_checkpoint(model, WORLD_SIZE, checkpoint_dir)
     shard_bytes = sum(path.stat().st_size for path in shard_files(checkpoint_dir))
     outputs = {tool: workdir / "outputs" / f"{model}-{tool}" for tool in ("mergeflow", "verl")}
-    spec_cache = workdir / "spec-cache"
+    spec_caches = {"new config": workdir / "spec-cache-new", "seen config": workdir / "spec-cache-seen"}
+    shutil.rmtree(spec_caches["seen config"], ignore_errors=True)
+    store_spec(checkpoint_dir, spec_caches["seen config"])
     runs, floors = [], []
     for round_number in range(1, rounds + 1):
         print(f"{model}: round {round_number} of {rounds}", flush=True)
-        runs += [{"model": model, "round": round_number, **run}
-                 for run in mergeflow_runs(checkpoint_dir, outputs["mergeflow"], spec_cache)]
-        floor_of_output = functools.partial(
-            io_floor, checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin"
-        )
-        floors.append(floor_of_output())
-        for cold in (True, False) if with_verl else ():
-            print(f"{model}: verl ({'cold' if cold else 'warm'} cache) ...", flush=True)
-            target = outputs["verl"] if cold else warm_target(outputs["verl"])
-            run = run_job("verl", checkpoint_dir, target, cold=cold, spec_cache=spec_cache)
-            runs.append({"model": model, "round": round_number, **run})
-            if not cold:
-                shutil.rmtree(target)
-            floors.append(floor_of_output())
-    while len(floors) < FLOOR_SAMPLES:
-        floors.append(floor_of_output())
+        for step in round_steps(round_number, with_verl):
+            runs.append({"model": model, "round": round_number, **run_step(step, checkpoint_dir, outputs, spec_caches)})
+            floors.append(io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin"))
     result = {
         "model": model,
         "shard_bytes": shard_bytes,
