@@ -15,8 +15,12 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergeflow import spec_cache
+
+if TYPE_CHECKING:
+    from mergeflow.hf_config import ModelSpec
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +70,7 @@ class SpecBuild:
             self._process.wait()
         spec_cache.built_elsewhere(self._key)
 
-    def spec(self, *, tie_word_embedding: bool = False):
+    def spec(self, *, tie_word_embedding: bool = False) -> "ModelSpec":
         """The built spec (`mergeflow.hf_config.load_model_spec`, which waits for the child)."""
         from mergeflow.hf_config import load_model_spec  # imports torch
 
