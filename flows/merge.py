@@ -161,7 +161,7 @@ def writing_early(source: RankFiles | MegatronLayout, local_dir: str, staging: P
 def report_early_write(early: EarlyWrite, plan: MergePlan | None) -> None:
     """Settle the early write against the plan and say what it kept."""
     kept = early.settle(plan)
-    if early.guess is not None:
+    if early.writing:
         get_run_logger().info(
             "%d of %d shard file(s) written while the config was read were kept as planned",
             len(kept),

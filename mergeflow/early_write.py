@@ -43,7 +43,9 @@ ADAPTER_MARKERS = (*LORA_ONLY_MARKERS, ".modules_to_save.")
 class EarlyWrite:
     """The shards `guessed_plan` plans for a checkpoint, written into `staging` on a thread until settled."""
 
-    def __init__(self, index: ShardIndex, guess: MergePlan | None, staging: Path, *, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(
+        self, index: ShardIndex | None, guess: MergePlan | None, staging: Path, *, chunk_bytes: int = CHUNK_BYTES
+    ):
         self.guess = guess
         self.staging = Path(staging)
         self.finished: list[str] = []
