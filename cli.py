@@ -1,4 +1,9 @@
-"""The `mergeflow` command: verl's `model_merger` flags, run as Prefect flows."""
+"""The `mergeflow` command: verl's `model_merger` flags, run as Prefect flows.
+
+Mistakes the paths and flags show are answered before Prefect or torch is imported (`mergeflow.preflight`),
+in one line; errors found later, inside a flow, reach the console once (the run's logs in Prefect keep
+the whole story), and a merge's last line is its verdict.
+"""
 
 import argparse
 import json
@@ -8,8 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mergeflow import preflight
 from mergeflow.errors import MergeflowError, UploadError, ValidationError
-from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE
+from mergeflow.options import BACKENDS, DEFAULT_DTYPE, DEFAULT_TARGET_DIR, DTYPE_NAMES, MAX_SHARD_SIZE
 
 PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migrates its database slowly
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -19,12 +25,14 @@ PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migr
 EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UPLOAD_FAILED = 3
-DTYPES = ("bf16", "fp16", "fp32", "keep")
+GB = 1e9
 
 
 def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     """The flags of verl's `python -m verl.model_merger`, in its spellings and in dash/underscore forms."""
-    parser.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default="fsdp", help="checkpoint format: fsdp rank files or a megatron torch_dist archive"
+    )
     parser.add_argument(
         "--local_dir",
         "--local-dir",
@@ -42,7 +50,11 @@ def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
         help="directory with config.json and tokenizer (default: LOCAL_DIR/huggingface)",
     )
     parser.add_argument(
-        "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true"
+        "--trust-remote-code",
+        "--trust_remote_code",
+        dest="trust_remote_code",
+        action="store_true",
+        help="allow a config whose model is custom code (auto_map); it is refused otherwise",
     )
     parser.add_argument(
         "--tie-word-embedding",
@@ -51,7 +63,13 @@ def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for verl compatibility; the config decides ties",
     )
-    parser.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true")
+    parser.add_argument(
+        "--is-value-model",
+        "--is_value_model",
+        dest="is_value_model",
+        action="store_true",
+        help="merge a critic saved with a causal-LM config as *ForTokenClassification",
+    )
     parser.add_argument(
         "--use_cpu_initialization",
         "--use-cpu-initialization",
@@ -84,6 +102,10 @@ def _add_tolerance_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)")
 
 
+def _add_dtype_option(parser: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=default, help=help)
+
+
 def _add_task_runner_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task-runner",
@@ -97,10 +119,16 @@ def _add_task_runner_option(parser: argparse.ArgumentParser) -> None:
 def _add_automation_options(parser: argparse.ArgumentParser) -> None:
     """Options of merges nobody types by hand: where models go, their dtype, and the upload."""
     parser.add_argument("--output", dest="output_dir", required=True, help="merged models go to OUTPUT/<run>/global_step_N/<role>")
-    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
+    _add_dtype_option(parser, DEFAULT_DTYPE, "dtype of floating tensors in the output (default: bf16, as verl)")
     parser.add_argument("--upload", dest="hf_upload_path", default=None, metavar="USER/NAME", help="upload each merged model")
-    parser.add_argument("--private", action="store_true")
-    parser.add_argument("--hf-token-secret", "--hf_token_secret", dest="hf_token_secret", default=None)
+    parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    parser.add_argument(
+        "--hf-token-secret",
+        "--hf_token_secret",
+        dest="hf_token_secret",
+        default=None,
+        help="name of a Prefect Secret block holding the Hub token (default: HF_TOKEN or the hf login)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,16 +138,27 @@ def build_parser() -> argparse.ArgumentParser:
     merge = commands.add_parser("merge", help="merge a checkpoint into a Hugging Face model folder")
     _add_checkpoint_options(merge)
     _add_lora_options(merge)
-    merge.add_argument("--target_dir", "--target-dir", dest="target_dir", default="tmp")
     merge.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=DEFAULT_DTYPE,
-        help="dtype of floating tensors in the output (default: bf16, as verl)",
+        "--target_dir",
+        "--target-dir",
+        dest="target_dir",
+        default=DEFAULT_TARGET_DIR,
+        help=f"output folder (default: ./{DEFAULT_TARGET_DIR}, as verl); refused when not empty unless --overwrite",
     )
-    merge.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default=MAX_SHARD_SIZE)
-    merge.add_argument("--overwrite", action="store_true", help="replace a non-empty target directory")
-    merge.add_argument("--no-progress", dest="progress", action="store_false")
+    _add_dtype_option(merge, DEFAULT_DTYPE, "dtype of floating tensors in the output (default: bf16, as verl)")
+    merge.add_argument(
+        "--max-shard-size",
+        "--max_shard_size",
+        dest="max_shard_size",
+        default=MAX_SHARD_SIZE,
+        help=f"largest safetensors file (default {MAX_SHARD_SIZE}); larger models get an index",
+    )
+    merge.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty target (an earlier merge's output or an ordinary folder, never training files)",
+    )
+    merge.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     merge.add_argument(
         "--no-cache",
         dest="refresh_cache",
@@ -166,45 +205,70 @@ def build_parser() -> argparse.ArgumentParser:
     test = commands.add_parser("test", help="compare a checkpoint's merged tensors with a reference model")
     _add_checkpoint_options(test)
     _add_lora_options(test)
-    test.add_argument("--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True)
-    test.add_argument("--dtype", choices=DTYPES, default=None, help="default: the reference's dtype")
+    test.add_argument(
+        "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True, help="the reference model folder"
+    )
+    _add_dtype_option(test, None, "dtype the merged tensors are compared in (default: the reference's)")
     _add_tolerance_options(test)
 
     validate = commands.add_parser(
         "validate", help="check a merged model folder, optionally against a reference"
     )
-    validate.add_argument("target_dir")
-    validate.add_argument("--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", default=None)
-    validate.add_argument("--check-logits", "--check_logits", dest="check_logits", action="store_true")
+    validate.add_argument("target_dir", help="the merged model folder")
+    validate.add_argument(
+        "--test_hf_dir",
+        "--test-hf-dir",
+        dest="test_hf_dir",
+        default=None,
+        help="a reference model to compare with, cast to the merged model's dtype",
+    )
+    validate.add_argument(
+        "--check-logits",
+        "--check_logits",
+        dest="check_logits",
+        action="store_true",
+        help="with --test_hf_dir: also compare logits (on CPU, when both models fit in RAM)",
+    )
     _add_tolerance_options(validate)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint without merging it")
-    inspect.add_argument("local_dir")
-    inspect.add_argument("--hf_model_config_path", "--hf-model-config-path", dest="hf_model_config_path")
+    inspect.add_argument("local_dir", help="the checkpoint: .../global_step_N/actor (or critic)")
     inspect.add_argument(
-        "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true"
+        "--hf_model_config_path",
+        "--hf-model-config-path",
+        dest="hf_model_config_path",
+        help="directory with config.json (default: LOCAL_DIR/huggingface)",
+    )
+    inspect.add_argument(
+        "--trust-remote-code",
+        "--trust_remote_code",
+        dest="trust_remote_code",
+        action="store_true",
+        help="allow a config whose model is custom code (auto_map)",
     )
     inspect.add_argument("--json", action="store_true", help="print JSON")
 
     watch = commands.add_parser("watch", help="announce each complete checkpoint of verl runs as a Prefect event")
-    watch.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    watch.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="verl run directories (holding global_step_N/)")
 
     serve = commands.add_parser(
         "serve", help="serve the merge-on-checkpoint and sweep deployments, with a watcher per run directory"
     )
-    serve.add_argument("--watch", dest="run_dirs", action="append", required=True, metavar="RUN_DIR")
+    serve.add_argument(
+        "--watch", dest="run_dirs", action="append", required=True, metavar="RUN_DIR", help="a verl run directory to watch"
+    )
     _add_automation_options(serve)
     serve.add_argument("--schedule", default=None, metavar="CRON", help="cron schedule of the sweep (default: hourly)")
     serve.add_argument("--concurrency", type=int, default=1, help="merges at once (default 1)")
     _add_task_runner_option(serve)
 
     sweep = commands.add_parser("sweep", help="merge every complete checkpoint of verl runs not merged yet")
-    sweep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    sweep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="verl run directories (holding global_step_N/)")
     _add_automation_options(sweep)
 
     demo = commands.add_parser("demo", help="write a tiny real FSDP2 checkpoint and merge it")
     demo.add_argument(
-        "--workdir", default=None, help="where to put the demo (default: a temporary directory)"
+        "--workdir", default=None, help="where to put the demo's checkpoint and merged model (default: a new temporary directory)"
     )
     return parser
 
@@ -246,8 +310,11 @@ def run_merge(args: argparse.Namespace) -> int:
         refresh_cache=args.refresh_cache,
         progress=args.progress,
     )
-    print(f"merged {args.local_dir} -> {saved.target_dir} ({saved.num_tensors} tensors, {saved.dtype})")
-    return 0
+    files = f"{len(saved.weight_files)} weight file{'s' if len(saved.weight_files) != 1 else ''}"
+    return _verdict(
+        f"merged {args.local_dir} into {saved.target_dir}: {saved.num_tensors} tensors, {saved.dtype}, "
+        f"{saved.total_size / GB:.2f} GB in {files}; validation {saved.validation}"
+    )
 
 
 def run_test(args: argparse.Namespace) -> int:
@@ -266,8 +333,7 @@ def run_test(args: argparse.Namespace) -> int:
         atol=args.atol,
         rtol=args.rtol,
     )
-    print(f"{args.local_dir}: {report.tensors_compared} tensors equal {args.test_hf_dir}")
-    return 0
+    return _verdict(f"{args.local_dir}: {report.tensors_compared} tensors equal {args.test_hf_dir}")
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -280,11 +346,7 @@ def run_validate(args: argparse.Namespace) -> int:
         atol=args.atol,
         rtol=args.rtol,
     )
-    against = f", {report.tensors_compared} tensors equal {args.test_hf_dir}" if args.test_hf_dir else ""
-    print(f"{args.target_dir}: complete{against}")
-    if report.logits is not None:
-        print(report.logits.message)
-    return 0
+    return _verdict(f"{args.target_dir}: validation {report.verdict()}")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -303,7 +365,12 @@ def run_demo(args: argparse.Namespace) -> int:
     from flows.demo import run_demo as demo
 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="mergeflow-demo-"))
-    return 0 if demo(workdir) else 1
+    matches = demo(workdir)
+    return _verdict(
+        f"demo files are in {workdir.absolute()} (the checkpoint under demo/, the merged model in merged/); "
+        f"logits of the merged model equal the original's (bf16): {matches}",
+        code=0 if matches else 1,
+    )
 
 
 def run_watch(args: argparse.Namespace) -> int:
@@ -351,8 +418,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         private=args.private,
         hf_token_secret=args.hf_token_secret,
     )
-    print(f"merged {len(merged)} checkpoint(s)" + "".join(f"\n  {target}" for target in merged))
-    return 0
+    return _verdict(f"merged {len(merged)} checkpoint(s)" + "".join(f"\n  {target}" for target in merged))
 
 
 COMMANDS = {
@@ -367,40 +433,125 @@ COMMANDS = {
 }
 
 
-class _HideExpectedTracebacks(logging.Filter):
-    """Console logs show a bad-input error as its message; the traceback stays in the Prefect API logs."""
+def check_arguments(args: argparse.Namespace) -> None:
+    """What the command's paths and flags show, checked before anything heavy is imported.
+
+    Raises:
+        MergeflowError: the first mistake found.
+    """
+    from flows.task_runners import parse_task_runner
+
+    if args.command == "merge":
+        preflight.check_merge(
+            args.local_dir,
+            args.target_dir,
+            backend=args.backend,
+            hf_model_config_path=args.hf_model_config_path,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            test_hf_dir=args.test_hf_dir,
+            hf_upload_path=args.hf_upload_path,
+        )
+    elif args.command == "test":
+        preflight.check_checkpoint(args.local_dir, args.backend, args.hf_model_config_path)
+        preflight.check_reference(args.test_hf_dir)
+    elif args.command == "validate":
+        preflight.check_model_folder(args.target_dir)
+        if args.test_hf_dir:
+            preflight.check_reference(args.test_hf_dir)
+    elif args.command == "inspect":
+        preflight.check_checkpoint(args.local_dir, "fsdp", args.hf_model_config_path)
+    elif args.command in ("serve", "sweep"):
+        preflight.check_output_dir(args.output_dir, args.run_dirs)
+        if args.hf_upload_path:
+            preflight.check_repo_id(args.hf_upload_path)
+    if getattr(args, "task_runner", None):
+        parse_task_runner(args.task_runner)
+
+
+class _EchoFilter(logging.Filter):
+    """Keeps Prefect's console output to one mention of each failure: a mergeflow error (bad input, a failed
+    validation) is left to the CLI's one line, another exception is shown once with its traceback, and the
+    "Finished in state Failed(...)" lines that repeat it are dropped. The run's logs in the Prefect API keep
+    every record."""
+
+    def __init__(self):
+        super().__init__()
+        self._shown: set[int] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], MergeflowError):
-            record.exc_info = None
-            record.exc_text = None
+        if isinstance(record.msg, str) and record.msg.startswith("Finished in state Failed("):
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            return True
+        if isinstance(error, MergeflowError) or id(error) in self._shown:
+            return False
+        self._shown.add(id(error))
         return True
 
 
-def _quiet_console_tracebacks() -> None:
+def _filter_console_echoes() -> None:
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
-    loggers = [
-        logging.getLogger(),
-        *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict)),
-    ]
-    for logger in loggers:
+    echo_filter = _EchoFilter()
+    for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
         for handler in getattr(logger, "handlers", []):
             if type(handler).__name__ == "PrefectConsoleHandler":
-                handler.addFilter(_HideExpectedTracebacks())
+                handler.addFilter(echo_filter)
+
+
+def _stop_temporary_server() -> None:
+    """Send Prefect the logs and events still queued, then stop the temporary server this command started
+    now rather than at exit, so that its goodbye is not the last line (a configured server is left alone)."""
+    server_module = sys.modules.get("prefect.server.api.server")
+    if server_module is None or _configured_api_url():
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all()
+    EventsWorker.drain_all()
+    for server in list(server_module.SubprocessASGIServer._instances.values()):
+        server.stop()
+
+
+def _configured_api_url() -> str | None:
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
+def _verdict(line: str, code: int = 0) -> int:
+    """Print the command's last line (what happened, where), once Prefect has nothing more to say."""
+    _stop_temporary_server()
+    print(f"mergeflow: {line}")
+    return code
+
+
+def _report(error: MergeflowError) -> None:
+    print(f"mergeflow: error: {type(error).__name__}: {error}", file=sys.stderr)
+    if error.hint:
+        print(f"mergeflow: hint: {error.hint}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
+    try:
+        check_arguments(args)
+    except MergeflowError as e:
+        _report(e)
+        return EXIT_BAD_INPUT
     if args.command in ("merge", "test", "validate", "demo", "sweep"):
-        _quiet_console_tracebacks()
+        _filter_console_echoes()
     try:
         return COMMANDS[args.command](args)
     except MergeflowError as e:
-        print(f"mergeflow: error: {type(e).__name__}: {e}", file=sys.stderr)
+        _stop_temporary_server()
+        _report(e)
         if isinstance(e, UploadError):
             print(f"mergeflow: the merged model is kept at {args.target_dir}", file=sys.stderr)
             return EXIT_UPLOAD_FAILED

@@ -1,22 +1,26 @@
 """`mergeflow serve`: the merge deployment triggered by checkpoint events, the scheduled sweep, and the
 watchers that emit those events, served from one process against the configured Prefect server."""
 
+import asyncio
+import logging
 from dataclasses import dataclass
 
-from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
+from prefect.runner import Runner
 
 from deployments.watcher import EVENT_NAME, RESOURCE_PREFIX, watching
 from flows.merge import merge_checkpoint
 from flows.sweep import sweep_checkpoints
 from flows.task_runners import task_runner_from
-from mergeflow.planning import DEFAULT_DTYPE
+from mergeflow.options import DEFAULT_DTYPE
 
 MERGE_DEPLOYMENT = "on-checkpoint"
 SWEEP_DEPLOYMENT = "sweep"
 DEFAULT_SWEEP_INTERVAL_SECONDS = 3600
+
+logger = logging.getLogger("mergeflow.serve")
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,14 @@ def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
 
 
 def serve_forever(options: ServeOptions) -> None:
-    """Start a watcher per run directory, then serve the deployments until interrupted."""
+    """Register the deployments (and with them the checkpoint trigger), then start a watcher per run
+    directory, so that checkpoints complete before serve started are announced to a trigger that exists;
+    serve until interrupted."""
+    runner = Runner(limit=options.concurrency)
+    for deployment in build_deployments(options):
+        runner.add_deployment(deployment)
     with watching(options.run_dirs):
-        serve(*build_deployments(options), limit=options.concurrency)
+        try:
+            asyncio.run(runner.start())
+        except KeyboardInterrupt:
+            logger.info("interrupted: stopped serving")

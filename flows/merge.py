@@ -4,9 +4,10 @@ shards written as their own task runs, validation, model card and publication; t
 While a config not seen before is read, an FSDP checkpoint's shards are already being written as the
 checkpoint alone suggests (`mergeflow.early_write`); the shard tasks keep those the plan agrees with."""
 
+import dataclasses
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -15,24 +16,27 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
 from mergeflow.early_write import EarlyWrite, early_write
-from mergeflow.errors import MergeflowError, OptionError, ValidationError
+from mergeflow.errors import MergeflowError, ValidationError
 from mergeflow.fingerprint import MergeKey
 from mergeflow.fsdp import index_shards
-from mergeflow.fsdp_layout import RankFiles, default_config_dir
+from mergeflow.fsdp_layout import RankFiles
 from mergeflow.hub import check_repo_id, default_revision, training_step
 from mergeflow.lora import LoraPlan, describe_lora
 from mergeflow.manifest import SavedModel, output_intact
 from mergeflow.megatron_layout import MegatronLayout
 from mergeflow.model_card import MergeFacts
+from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergeOptions, check_backend
 from mergeflow.output import check_target, resumable_staging, staging_dir_of
-from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan
+from mergeflow.planning import MergePlan
+from mergeflow.preflight import config_dir_of
 from mergeflow.read_ahead import read_ahead, stop_read_ahead
-from mergeflow.run_layout import label_of
+from mergeflow.run_layout import label_of, protected_paths
+from mergeflow.save import relocated
 from mergeflow.spec_build import SpecBuild
 from mergeflow.validation import ValidationReport
 from tasks.cache import MERGE_CACHE, recorded_merge
 from tasks.copy_model import copy_model
-from tasks.detect_world_size import default_config_dir_of, detect_world_size
+from tasks.detect_world_size import detect_world_size
 from tasks.extract_lora import extract_lora
 from tasks.fingerprint import fingerprint
 from tasks.load_config import load_config
@@ -45,30 +49,8 @@ from tasks.upload import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS, upload
 from tasks.validate import validate
 from tasks.write_model_card import write_card
 
-BACKENDS = ("fsdp", "megatron")
 SHARD_WORKERS = 2
 """Output shards written at once by the default (thread pool) task runner."""
-
-
-@dataclass(frozen=True)
-class MergeOptions:
-    """Every option that changes what a merge writes (and so enters its cache key)."""
-
-    backend: str = "fsdp"
-    dtype: str = DEFAULT_DTYPE
-    max_shard_size: str = MAX_SHARD_SIZE
-    hf_model_config_path: str | None = None
-    trust_remote_code: bool = False
-    is_value_model: bool = False
-    tie_word_embedding: bool = False
-    merge_lora: bool = False
-    lora_alpha: float | None = None
-    base_model: str | None = None
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise OptionError(f"backend '{backend}' is not supported yet: choose one of {', '.join(BACKENDS)}")
 
 
 def merge_run_name() -> str:
@@ -101,22 +83,23 @@ def merge_model(
     already written.
     """
     started = time.monotonic()
-    check_target(Path(target_dir), overwrite=overwrite)
     source = detect_world_size(local_dir, options.backend)
+    protected = protected_paths(local_dir, config_dir_of(source, options.hf_model_config_path))
+    check_target(Path(target_dir), overwrite=overwrite, protected=protected)
     if isinstance(source, MegatronLayout) and source.hf_weights:
         staging = resumable_staging(Path(target_dir), key.digest)
         staged = copy_model(source.hf_dir, str(staging))
-        report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits)
+        report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits, target_dir=target_dir)
         check_report(report, staging)
         facts = merge_facts(source.checkpoint_dir, source.world_size, staged, report, options, started)
         write_card(staged.target_dir, facts)
-        return publish(staged, target_dir, overwrite=overwrite)
+        return publish(validated(staged, report), target_dir, overwrite=overwrite, protected=protected)
     staging = staging_dir_of(Path(target_dir), key.digest)
     with writing_early(source, local_dir, staging, options) as early:
         with read_ahead(source.data_files, start=not early.writing):  # the disk is idle while a spec builds
             spec = load_config(
                 local_dir,
-                options.hf_model_config_path or default_config_dir_of(source),
+                str(config_dir_of(source, options.hf_model_config_path)),
                 trust_remote_code=options.trust_remote_code,
                 is_value_model=options.is_value_model,
                 tie_word_embedding=options.tie_word_embedding,
@@ -129,13 +112,13 @@ def merge_model(
         report_early_write(early, plan)
     staging = resumable_staging(Path(target_dir), key.digest)
     staged = save(plan, index, spec, str(staging), target_dir, adapter=adapter, progress=progress)
-    report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits)
+    report = validate(staged.target_dir, test_hf_dir, check_logits=check_logits, target_dir=target_dir)
     seconds = time.monotonic() - started
-    publish_report(index, plan or adapter.weights, report, saved=staged, lora=lora, seconds=seconds)
+    publish_report(index, plan or adapter.weights, report, saved=relocated(staged, Path(target_dir).absolute()), lora=lora, seconds=seconds)
     check_report(report, staging)
     facts = merge_facts(index.checkpoint_dir, index.world_size, staged, report, options, started, lora=lora)
     write_card(staged.target_dir, facts)
-    return publish(staged, target_dir, overwrite=overwrite)
+    return publish(validated(staged, report), target_dir, overwrite=overwrite, protected=protected)
 
 
 def writing_early(source: RankFiles | MegatronLayout, local_dir: str, staging: Path, options: MergeOptions):
@@ -144,7 +127,7 @@ def writing_early(source: RankFiles | MegatronLayout, local_dir: str, staging: P
     archive or LoRA adapters write nothing early."""
     if not isinstance(source, RankFiles):
         return early_write(None, None, staging)
-    config_dir = Path(options.hf_model_config_path) if options.hf_model_config_path else default_config_dir(Path(local_dir))
+    config_dir = config_dir_of(source, options.hf_model_config_path)
     try:
         build = SpecBuild(
             config_dir, trust_remote_code=options.trust_remote_code, is_value_model=options.is_value_model
@@ -163,7 +146,7 @@ def report_early_write(early: EarlyWrite, plan: MergePlan | None) -> None:
     kept = early.settle(plan)
     if early.writing:
         get_run_logger().info(
-            "%d of %d shard file(s) written while the config was read were kept as planned",
+            "%d of %d weight file(s) written while the model config was read hold what its plan asks for: kept",
             len(kept),
             len(early.guess.shard_to_names),
         )
@@ -174,6 +157,10 @@ def check_report(report: ValidationReport, staging: Path) -> None:
     if not report.passed:
         shutil.rmtree(staging, ignore_errors=True)
         raise ValidationError(report.failure_message())
+
+
+def validated(staged: SavedModel, report: ValidationReport) -> SavedModel:
+    return dataclasses.replace(staged, validation=report.verdict())
 
 
 def merge_facts(

@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger
 
 from flows.merge import merge_checkpoint
 from mergeflow.errors import MergeflowError
-from mergeflow.planning import DEFAULT_DTYPE
+from mergeflow.options import DEFAULT_DTYPE
 from mergeflow.run_layout import Checkpoint, complete_checkpoints
 
 

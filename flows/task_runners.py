@@ -1,25 +1,44 @@
-"""Where the per-shard merge tasks run: threads in this process, or a Dask cluster (shared filesystem needed)."""
+"""Where the per-shard write tasks run: threads in this process, or a Dask cluster (shared filesystem needed).
 
-from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+`parse_task_runner` checks a spec without importing Prefect, so the CLI answers a bad one at once."""
+
+from typing import TYPE_CHECKING
 
 from mergeflow.errors import OptionError
 
+if TYPE_CHECKING:
+    from prefect.task_runners import TaskRunner
+
 DEFAULT_THREADS = 2
 DEFAULT_DASK_WORKERS = 2
+SPEC_HELP = "threads[:N], dask[:N] or dask://HOST:PORT"
 
 
-def task_runner_from(spec: str) -> TaskRunner:
-    """`threads[:N]`, `dask[:N]` (a LocalCluster of N single-threaded worker processes) or
-    `dask://HOST:PORT` (an existing cluster's scheduler)."""
+def parse_task_runner(spec: str) -> tuple[str, int | str]:
+    """`threads[:N]` -> ("threads", N), `dask[:N]` -> ("dask", N), `dask://HOST:PORT` -> ("dask", "tcp://HOST:PORT").
+
+    Raises:
+        OptionError: a spec of another form, or a count that is not a positive number.
+    """
     kind, _, argument = spec.partition(":")
-    if kind == "threads":
-        return ThreadPoolTaskRunner(max_workers=_count(spec, argument, DEFAULT_THREADS))
     if kind == "dask" and argument.startswith("//"):
-        return _dask(address=f"tcp:{argument}")
-    if kind == "dask":
-        workers = _count(spec, argument, DEFAULT_DASK_WORKERS)
-        return _dask(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True})
-    raise OptionError(f"task runner '{spec}': use threads[:N], dask[:N] or dask://HOST:PORT")
+        return kind, f"tcp:{argument}"
+    if kind in ("threads", "dask"):
+        return kind, _count(spec, argument, DEFAULT_THREADS if kind == "threads" else DEFAULT_DASK_WORKERS)
+    raise OptionError(f"task runner '{spec}': use {SPEC_HELP}")
+
+
+def task_runner_from(spec: str) -> "TaskRunner":
+    """The task runner of a `parse_task_runner` spec: a thread pool, a LocalCluster of single-threaded worker
+    processes, or an existing cluster's scheduler."""
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    kind, argument = parse_task_runner(spec)
+    if kind == "threads":
+        return ThreadPoolTaskRunner(max_workers=argument)
+    if isinstance(argument, str):
+        return _dask(address=argument)
+    return _dask(cluster_kwargs={"n_workers": argument, "threads_per_worker": 1, "processes": True})
 
 
 def _count(spec: str, argument: str, default: int) -> int:
@@ -30,7 +49,7 @@ def _count(spec: str, argument: str, default: int) -> int:
     return int(argument)
 
 
-def _dask(**options) -> TaskRunner:
+def _dask(**options) -> "TaskRunner":
     try:
         from prefect_dask import DaskTaskRunner
     except ImportError as e:

@@ -5,11 +5,12 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.merge import check_backend
 from mergeflow.errors import OptionError, ValidationError
+from mergeflow.options import check_backend
+from mergeflow.preflight import config_dir_of
 from mergeflow.validation import ValidationReport, reference_dtype_choice
 from tasks.compare_checkpoint import compare_checkpoint
-from tasks.detect_world_size import default_config_dir_of, detect_world_size
+from tasks.detect_world_size import detect_world_size
 from tasks.extract_lora import extract_lora
 from tasks.load_config import load_config
 from tasks.load_shards import load_shards
@@ -41,7 +42,7 @@ def verify_checkpoint(
     source = detect_world_size(local_dir, backend)
     spec = load_config(
         local_dir,
-        hf_model_config_path or default_config_dir_of(source),
+        str(config_dir_of(source, hf_model_config_path)),
         trust_remote_code=trust_remote_code, is_value_model=is_value_model
     )
     index = load_shards(source, spec)

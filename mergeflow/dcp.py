@@ -10,6 +10,7 @@ metadata is made of: anything else is refused, never imported or run. Chunks loa
 import io
 import math
 import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ DCP_ALLOWED_GLOBALS = {
     "pathlib": {"PosixPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id, as DCP records it
     "builtins": {"set", "frozenset", "slice"},
 }
+CHECK_READ_BYTES = 16 * 1024 * 1024
 DTYPE_NAMES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
 
 
@@ -140,15 +142,36 @@ class _FileWindow(io.RawIOBase):
         return read
 
 
+def _check_records(blob) -> None:
+    """Read every record of a chunk's `torch.save` blob: zipfile checks each one's CRC-32 as it reads it.
+
+    Raises:
+        zipfile.BadZipFile: a record does not match its CRC-32, or the blob is not a zip.
+    """
+    with zipfile.ZipFile(blob) as archive:
+        for info in archive.infolist():
+            with archive.open(info) as record:
+                while record.read(CHECK_READ_BYTES):
+                    pass
+
+
 def load_chunk(checkpoint_dir: Path, tensor: StoredTensor, chunk: Chunk) -> torch.Tensor:
-    """One chunk's values, checked against the metadata's shape and dtype."""
+    """One chunk's values, checked against the CRC-32s of its `torch.save` blob and the metadata's shape and
+    dtype."""
     path = Path(checkpoint_dir) / chunk.file
     try:
         with open(path, "rb") as file:
             window = io.BufferedReader(_FileWindow(file, chunk.byte_offset, chunk.byte_length))
+            _check_records(window)
+            window.seek(0)
             value = torch.load(window, map_location="cpu", weights_only=True)
     except FileNotFoundError as e:
         raise CheckpointError(f"missing data file {path} (holds {tensor.name})") from e
+    except zipfile.BadZipFile as e:
+        raise CheckpointError(
+            f"corrupt data file {path}: the chunk of {tensor.name} at byte {chunk.byte_offset} is damaged ({e})",
+            hint="the file changed after it was saved: copy it again from where training saved it",
+        ) from e
     except Exception as e:
         raise CheckpointError(f"cannot read {tensor.name} from {path} at byte {chunk.byte_offset}: {e}") from e
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != chunk.sizes or value.dtype != tensor.dtype:

@@ -2,14 +2,14 @@
 
 import torch
 
+from mergeflow.options import DTYPE_NAMES
+
 KEEP = "keep"
 
-DTYPE_CHOICES: dict[str, torch.dtype | None] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    KEEP: None,
-}
+DTYPE_CHOICES: dict[str, torch.dtype | None] = dict(
+    zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32, None), strict=True)
+)
+"""The torch dtype of each `--dtype` choice (None: keep the shards' own)."""
 
 SAFETENSORS_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",

@@ -18,13 +18,16 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from mergeflow.config_files import CONFIG_FILE
 from mergeflow.errors import MergeflowError, OptionError
 from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import CONFIG_FILE, ModelSpec
+from mergeflow.hf_config import ModelSpec
 from mergeflow.lora import LORA_ONLY_MARKERS
 from mergeflow.manifest import SavedModel
+from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE
 from mergeflow.output import staged_output
-from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan, plan_merge
+from mergeflow.planning import MergePlan, plan_merge
+from mergeflow.run_layout import protected_paths
 from mergeflow.save import (
     PARTIAL_SUFFIX,
     ShardWriteStopped,
@@ -213,7 +216,8 @@ def save_model_early(
             "plan them with mergeflow.lora.plan_lora and save with mergeflow.save.save_model"
         )
     target_dir = Path(target_dir).absolute()
-    with staged_output(target_dir, overwrite=overwrite) as staging:
+    protected = protected_paths(index.checkpoint_dir, build.config_dir)
+    with staged_output(target_dir, overwrite=overwrite, protected=protected) as staging:
         with early_write(index, build, staging, dtype=dtype, max_shard_size=max_shard_size, chunk_bytes=chunk_bytes) as early:
             spec = build.spec(tie_word_embedding=tie_word_embedding)
             plan = plan_merge(index, spec, dtype=dtype, max_shard_size=max_shard_size)

@@ -31,6 +31,7 @@ from mergeflow.rank_pickle import (
 
 SUPPORTED_MESH_DIM_NAMES = frozenset({"fsdp", "ddp", "dp", "dp_shard", "dp_replicate", "dp_shard_cp"})
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+CORRUPT_HINT = "the file changed after torch.save wrote it: copy it again from where training saved it"
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,9 @@ def load_rank_state(path: str | Path) -> dict[str, RankTensor]:
     know is loaded with `torch.load(weights_only=True)` instead.
 
     Raises:
-        CheckpointError: the file is truncated, not a torch checkpoint, not a state dict, or its
-            pickle asks for globals other than tensors (it is refused, never executed).
+        CheckpointError: the file is truncated, not a torch checkpoint, not a state dict, its pickle
+            does not match its CRC-32, or it asks for globals other than tensors (it is refused, never
+            executed). Tensor data is checked against its CRC-32 as it is read (`RankReader`).
     """
     path = Path(path)
     if not zipfile.is_zipfile(path):
@@ -97,7 +99,9 @@ def load_rank_state(path: str | Path) -> dict[str, RankTensor]:
         state = read_rank_pickle(path)
     except UnknownPickle:
         state = _load_with_torch(path)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+    except zipfile.BadZipFile as e:
+        raise CheckpointError(f"corrupt rank file {path}: {e}", hint=CORRUPT_HINT) from e
+    except (pickle.UnpicklingError, OSError, EOFError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from e
     return {_strip_wrappers(key): value for key, value in state.items()}
 
@@ -121,8 +125,11 @@ def _load_with_torch(path: Path) -> dict[str, RankTensor]:
     if not_tensors:
         raise CheckpointError(f"not a model state dict: {path} has non-tensor entries {quoted(not_tensors)}")
     tensors = {str(key): _rank_tensor(value, str(key), path) for key, value in state.items()}
-    offsets = tensor_file_offsets(path, {key: value.local for key, value in tensors.items()})
-    return {key: dataclasses.replace(value, file_offset=offsets.get(key)) for key, value in tensors.items()}
+    located = tensor_file_offsets(path, {key: value.local for key, value in tensors.items()})
+    return {
+        key: dataclasses.replace(value, file_offset=located[key][0], record=located[key][1]) if key in located else value
+        for key, value in tensors.items()
+    }
 
 
 def _rank_tensor(tensor: torch.Tensor, name: str, path: Path) -> RankTensor:

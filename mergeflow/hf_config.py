@@ -10,13 +10,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mergeflow import spec_cache
+from mergeflow.config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, require_config
 from mergeflow.errors import CheckpointError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 WEIGHT_INDEX_SUFFIX = ".index.json"
 
@@ -93,7 +92,7 @@ def load_model_spec(
         CheckpointError: config.json is missing or unreadable, or the architecture is unknown.
     """
     config_dir = Path(config_dir)
-    _config_path(config_dir)
+    require_config(config_dir)
     fields = spec_cache.cached_fields(
         spec_cache.model_spec_key(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model),
         lambda: _spec_fields(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model),
@@ -152,19 +151,8 @@ def _derived_generation_config(config: "PretrainedConfig") -> str:
     return GenerationConfig.from_model_config(config).to_json_string(use_diff=True)
 
 
-def _config_path(config_dir: Path) -> Path:
-    """config.json of `config_dir`, which must exist."""
-    path = Path(config_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"missing {path}: verl saves the model config in <checkpoint>/huggingface/; "
-            "pass --hf_model_config_path DIR if it lives elsewhere"
-        )
-    return path
-
-
 def load_config(config_dir: Path, *, trust_remote_code: bool = False) -> "PretrainedConfig":
-    path = _config_path(config_dir)
+    path = require_config(config_dir)
     from transformers import AutoConfig
 
     try:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import HfApi
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.errors import HfHubHTTPError
 
-from mergeflow.errors import OptionError, UploadError
+from mergeflow.errors import UploadError
+from mergeflow.options import check_repo_id
 from mergeflow.run_layout import STEP_DIR
 
 MAIN_BRANCH = "main"
@@ -55,16 +55,6 @@ def default_revision(checkpoint_dir: str | Path) -> str:
     """A branch per training step (`step-120`), or main when the checkpoint's step is unknown."""
     step = training_step(checkpoint_dir)
     return f"step-{step}" if step is not None else MAIN_BRANCH
-
-
-def check_repo_id(repo_id: str) -> None:
-    """Raises OptionError unless `repo_id` reads `user/name` as the Hub accepts it."""
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise OptionError(f"invalid --hf_upload_path {repo_id!r}: {e}") from e
-    if repo_id.count("/") != 1:
-        raise OptionError(f"invalid --hf_upload_path {repo_id!r}: expected 'user/name' or 'org/name'")
 
 
 def upload_model(

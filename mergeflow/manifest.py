@@ -30,6 +30,8 @@ class SavedModel:
     dtype: str
     seconds: float
     adapter_dir: str | None = None
+    validation: str = ""
+    """The validation verdict the folder was published with."""
 
 
 def file_listing(directory: Path) -> list[tuple[str, int, int]]:

@@ -116,6 +116,10 @@ class FsdpTensors:
             self._last_piece = (key, rows)
         return self._last_piece[1]
 
+    def verify(self) -> None:
+        """Check what was read against the rank files' CRC-32s (`RankReader.verify`)."""
+        self._reader.verify()
+
     def close(self) -> None:
         self._last_piece = None
         self._reader.close()

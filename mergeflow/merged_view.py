@@ -31,6 +31,10 @@ class MergedCheckpoint:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._reader.rows(self._plan.tensors[name], start, stop)
 
+    def verify(self) -> None:
+        """Check what was read against the checkpoint's CRC-32s."""
+        self._reader.verify()
+
     def close(self) -> None:
         self._reader.close()
 

@@ -2,11 +2,12 @@
 (huggingface_hub's `ModelCardData`) and as a table. A card the checkpoint brought along is kept."""
 
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
+
+from mergeflow.output import FILE_MODE
 
 MODEL_CARD_FILE = "README.md"
 TAGS = ["verl", "mergeflow"]
@@ -65,11 +66,12 @@ def render_model_card(facts: MergeFacts) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    """Write `path` through a temporary file renamed over it, with the permissions the other files get."""
+    temporary = path.with_name(f".{path.name}.partial")
     try:
-        with os.fdopen(handle, "w") as file:
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "w") as file:
             file.write(text)
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise

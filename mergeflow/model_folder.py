@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mergeflow.config_files import CONFIG_FILE
 from mergeflow.dtypes import SAFETENSORS_CODES
 from mergeflow.errors import CheckpointError
-from mergeflow.hf_config import CONFIG_FILE
 from mergeflow.lora import ADAPTER_CONFIG_FILE, ADAPTER_SUBDIR, ADAPTER_WEIGHTS_FILE, lora_tensor_names
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -166,6 +166,16 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         }
     except KeyError as e:
         raise CheckpointError(f"unsupported dtype {e} in {path}") from e
+
+
+def weight_counts(model_dir: Path) -> tuple[int, int]:
+    """How many weight files a complete model folder's index names, and how many tensors they hold."""
+    index_path = Path(model_dir) / SAFETENSORS_INDEX
+    if index_path.is_file():
+        weight_map = read_weight_index(index_path)["weight_map"]
+        return len(set(weight_map.values())), len(weight_map)
+    single = Path(model_dir) / SAFETENSORS_FILE
+    return (1, len(read_safetensors_header(single))) if single.is_file() else (0, 0)
 
 
 def completeness_problems(model_dir: Path) -> list[str]:

@@ -4,36 +4,75 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mergeflow.errors import OutputError
+from mergeflow.run_layout import Protected, training_files_in
 
+FILE_MODE = 0o666
+"""Mode every output file is created with (the umask applies), as `open()` creates config.json."""
 STAGING_PREFIX = ".mergeflow-staging-"
 TRASH_PREFIX = ".mergeflow-replaced-"
 
 
-def check_target(target_dir: Path, *, overwrite: bool) -> None:
-    """Refuse a target that exists and is not an empty directory, unless `overwrite` is set.
+def check_target(target_dir: Path, *, overwrite: bool, protected: Sequence[Protected] = ()) -> None:
+    """Refuse a target that overlaps the training run, holds training files, or is not an empty directory
+    (unless `overwrite` is set: earlier merge outputs and ordinary folders may then be replaced).
 
     Raises:
-        OutputError: the target is a file, or a non-empty directory and overwrite is off.
+        OutputError: the target is, contains or lies inside a `protected` directory; it holds training
+            checkpoint files (whatever `overwrite` says); it is a file; or it is not empty and overwrite is off.
     """
     target_dir = Path(target_dir)
+    check_overlap(target_dir, protected)
     if target_dir.is_file():
         raise OutputError(f"target {target_dir} is a file, not a directory")
-    if target_dir.is_dir() and any(target_dir.iterdir()) and not overwrite:
-        raise OutputError(f"target directory {target_dir} is not empty: pass --overwrite to replace it")
+    if not (target_dir.is_dir() and any(target_dir.iterdir())):
+        return
+    training = training_files_in(target_dir)
+    if training:
+        shown = ", ".join(training[:3]) + (f" and {len(training) - 3} more" if len(training) > 3 else "")
+        raise OutputError(
+            f"target {target_dir} holds training checkpoint files ({shown}): mergeflow never replaces them, "
+            "even with --overwrite",
+            hint="choose another target directory",
+        )
+    if not overwrite:
+        raise OutputError(f"target directory {target_dir} is not empty", hint="pass --overwrite to replace it")
+
+
+def check_overlap(target_dir: Path, protected: Sequence[Protected]) -> None:
+    """Refuse a target that is, contains or lies inside a protected directory (symlinks resolved).
+
+    Raises:
+        OutputError: naming the first protected directory it overlaps, and how.
+    """
+    target = Path(target_dir).resolve()
+    for entry in protected:
+        path = entry.path.resolve()
+        if target == path:
+            overlap = "is"
+        elif path.is_relative_to(target):
+            overlap = "contains"
+        elif target.is_relative_to(path):
+            overlap = "lies inside"
+        else:
+            continue
+        raise OutputError(
+            f"target {target_dir} {overlap} {entry.what} ({entry.path}): writing there could destroy what was trained",
+            hint="choose a target directory outside the training run",
+        )
 
 
 @contextlib.contextmanager
-def staged_output(target_dir: Path, *, overwrite: bool) -> Iterator[Path]:
+def staged_output(target_dir: Path, *, overwrite: bool, protected: Sequence[Protected] = ()) -> Iterator[Path]:
     """Yield a staging directory beside the target; on success it becomes the target, on failure it is removed.
 
     A merge that fails or is killed leaves the target as it was.
     """
     target_dir = Path(target_dir).absolute()
-    check_target(target_dir, overwrite=overwrite)
+    check_target(target_dir, overwrite=overwrite, protected=protected)
     target_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target_dir.name}-", dir=target_dir.parent))
     try:
@@ -58,10 +97,10 @@ def staging_dir_of(target_dir: Path, merge_key: str) -> Path:
     return target_dir.parent / f"{STAGING_PREFIX}{target_dir.name}-{merge_key[:16]}"
 
 
-def publish(staging: Path, target_dir: Path, *, overwrite: bool) -> None:
+def publish(staging: Path, target_dir: Path, *, overwrite: bool, protected: Sequence[Protected] = ()) -> None:
     """Rename a finished staging directory into place as the target, replacing the target only if allowed."""
     target_dir = Path(target_dir).absolute()
-    check_target(target_dir, overwrite=overwrite)
+    check_target(target_dir, overwrite=overwrite, protected=protected)
     _replace(staging, target_dir)
 
 

@@ -16,12 +16,11 @@ from mergeflow.errors import OptionError, PlanError, quoted
 from mergeflow.fsdp import ShardIndex, SourceTensor
 from mergeflow.hf_config import ModelSpec, SavedView
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
+from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-MAX_SHARD_SIZE = "5GB"
-DEFAULT_DTYPE = "bf16"
 SAFETENSORS_FILE_PATTERN = "model{suffix}.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_LISTED = 20
@@ -85,7 +84,7 @@ def plan_merge(
         OptionError: an unknown dtype or an unreadable max shard size.
         PlanError: the checkpoint lacks tensors the config needs, or their shapes disagree with it.
     """
-    _check_dtype(dtype)
+    check_dtype(dtype)
     sources = (
         {name: index.tensors[source] for name, source in lora.base_sources.items()}
         if lora is not None
@@ -128,7 +127,7 @@ class AdapterPlan:
 
 def plan_adapter(index: ShardIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTYPE) -> AdapterPlan:
     """The adapter as PEFT saves it: PEFT's key names, one safetensors file, floating tensors in `dtype`."""
-    _check_dtype(dtype)
+    check_dtype(dtype)
     tensors = {
         key: OutputTensor(
             name=key,
@@ -147,11 +146,6 @@ def plan_adapter(index: ShardIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTYP
         unexpected=(),
     )
     return AdapterPlan(weights=weights, config=lora.config)
-
-
-def _check_dtype(dtype: str) -> None:
-    if dtype not in DTYPE_CHOICES:
-        raise OptionError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPE_CHOICES)}")
 
 
 def expected_shapes(spec: ModelSpec, names: Iterable[str]) -> dict[str, tuple[int, ...]]:

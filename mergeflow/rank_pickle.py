@@ -8,6 +8,7 @@ names anything else, or a layout this does not know, raises `UnknownPickle` and 
 `torch.load(weights_only=True)`.
 """
 
+import io
 import math
 import mmap
 import pickle
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.placement import REPLICATE, shard
+from mergeflow.record_check import StoredRecord
 
 DATA_PICKLE = "data.pkl"
 DATA_RECORD_DIR = "data"
@@ -53,6 +55,8 @@ class RankTensor:
     mesh: MeshPosition | None = None
     file_offset: int | None = None
     """Where the local data's first byte lies in the rank file, if it is contiguous there."""
+    record: StoredRecord | None = None
+    """The zip record holding the local data's storage (with its CRC-32), when it is stored uncompressed."""
 
     @property
     def is_dtensor(self) -> bool:
@@ -197,15 +201,17 @@ def read_rank_pickle(path: str | Path) -> dict[str, RankTensor]:
     Raises:
         UnknownPickle: the pickle is not one this reader knows, or is malformed (the caller falls back to
             torch.load, whose error then describes it).
-        zipfile.BadZipFile, OSError: the file is not a readable zip.
+        zipfile.BadZipFile, OSError: the file is not a readable zip, or a record other than tensor data
+            (the pickle among them) does not match its CRC-32.
     """
     with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
         pickle_name = next((n for n in archive.namelist() if n.split("/")[-1] == DATA_PICKLE), None)
         if pickle_name is None:
             raise UnknownPickle(f"no {DATA_PICKLE}")
+        check_metadata_records(archive)
         records = _data_records(file, archive)
         try:
-            state = _RankUnpickler(archive.open(pickle_name)).load()
+            state = _RankUnpickler(io.BytesIO(archive.read(pickle_name))).load()
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if records else None
             if not isinstance(state, dict):
                 raise UnknownPickle(f"a {type(state).__name__}, not a state dict")
@@ -216,24 +222,44 @@ def read_rank_pickle(path: str | Path) -> dict[str, RankTensor]:
             raise UnknownPickle(f"{type(e).__name__}: {e}") from e
 
 
-def _data_records(file, archive: zipfile.ZipFile) -> dict[str, tuple[int, int] | None]:
-    """Storage key -> (offset of its first byte in the file, byte length); None for a compressed record."""
-    records: dict[str, tuple[int, int] | None] = {}
+def _is_data_record(info: zipfile.ZipInfo) -> bool:
+    directory = info.filename.rpartition("/")[0]
+    return directory.rpartition("/")[2] == DATA_RECORD_DIR
+
+
+def check_metadata_records(archive: zipfile.ZipFile) -> None:
+    """Read every record that is not tensor data (the pickle, the format version, the byte order): zipfile
+    checks each one's CRC-32 as it reads it. Tensor data is checked while a merge reads it.
+
+    Raises:
+        zipfile.BadZipFile: a record does not match its CRC-32.
+    """
     for info in archive.infolist():
-        directory, _, key = info.filename.rpartition("/")
-        if directory.rpartition("/")[2] != DATA_RECORD_DIR:
+        if not _is_data_record(info):
+            archive.read(info)
+
+
+def _data_records(file, archive: zipfile.ZipFile) -> dict[str, StoredRecord | None]:
+    """Storage key -> where its bytes lie in the file and their CRC-32; None for a compressed record."""
+    records: dict[str, StoredRecord | None] = {}
+    for info in archive.infolist():
+        if not _is_data_record(info):
             continue
+        key = info.filename.rpartition("/")[2]
         if info.compress_type != zipfile.ZIP_STORED:
             records[key] = None
             continue
         file.seek(info.header_offset + ZIP_NAME_LENGTHS_AT)
         name_length, extra_length = struct.unpack("<HH", file.read(4))
-        records[key] = (info.header_offset + ZIP_LOCAL_HEADER_SIZE + name_length + extra_length, info.file_size)
+        offset = info.header_offset + ZIP_LOCAL_HEADER_SIZE + name_length + extra_length
+        records[key] = StoredRecord(key, offset, info.file_size, info.CRC)
     return records
 
 
-def tensor_file_offsets(path: str | Path, locals_by_name: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Where each contiguous tensor of a `torch.load(mmap=True)` state lies in its file.
+def tensor_file_offsets(
+    path: str | Path, locals_by_name: dict[str, torch.Tensor]
+) -> dict[str, tuple[int, StoredRecord]]:
+    """Where each contiguous tensor of a `torch.load(mmap=True)` state lies in its file, and its record.
 
     A memory-mapped load maps the whole file once and slices each storage out of it at its record's
     offset, so storage addresses differ exactly as record offsets do. The mapping's base address is
@@ -242,7 +268,7 @@ def tensor_file_offsets(path: str | Path, locals_by_name: dict[str, torch.Tensor
     reader copies out of the mapping instead.
     """
     with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
-        records = {record[0] for record in _data_records(file, archive).values() if record is not None}
+        records = {record.offset: record for record in _data_records(file, archive).values() if record is not None}
     storages = {
         name: (local.untyped_storage().data_ptr(), local)
         for name, local in locals_by_name.items()
@@ -257,15 +283,16 @@ def tensor_file_offsets(path: str | Path, locals_by_name: dict[str, torch.Tensor
     if base is None:
         return {}
     return {
-        name: pointer - base + local.storage_offset() * local.element_size()
+        name: (pointer - base + local.storage_offset() * local.element_size(), records[pointer - base])
         for name, (pointer, local) in storages.items()
     }
 
 
-def _rank_tensor(value, records: dict[str, tuple[int, int] | None], mapping: mmap.mmap | None) -> RankTensor:
+def _rank_tensor(value, records: dict[str, StoredRecord | None], mapping: mmap.mmap | None) -> RankTensor:
     if isinstance(value, _TensorRef):
         local, offset = _mapped(value, records, mapping)
-        return RankTensor(local, tuple(local.shape), local.dtype, file_offset=offset)
+        record = records[value.storage.key]
+        return RankTensor(local, tuple(local.shape), local.dtype, file_offset=offset, record=record)
     if isinstance(value, _DTensor):
         wrapper, local_ref, spec = value.args[0], value.state.get("_local_tensor"), value.state.get("_spec")
         if not isinstance(local_ref, _TensorRef) or spec is None:
@@ -273,14 +300,15 @@ def _rank_tensor(value, records: dict[str, tuple[int, int] | None], mapping: mma
         local, offset = _mapped(local_ref, records, mapping)
         placements = tuple(_placement_name(p) for p in spec.state.get("placements", ()))
         return RankTensor(local, wrapper.size, wrapper.dtype, placements, _mesh_position(spec.state.get("mesh")),
-                          offset)
+                          offset, records[local_ref.storage.key])
     raise UnknownPickle(f"a state dict entry of type {type(value).__name__}")
 
 
-def _mapped(ref: _TensorRef, records: dict[str, tuple[int, int] | None], mapping) -> tuple[torch.Tensor, int | None]:
-    if records.get(ref.storage.key) is None:
+def _mapped(ref: _TensorRef, records: dict[str, StoredRecord | None], mapping) -> tuple[torch.Tensor, int | None]:
+    record = records.get(ref.storage.key)
+    if record is None:
         raise UnknownPickle(f"storage {ref.storage.key} has no stored (uncompressed) data record")
-    start, length = records[ref.storage.key]
+    start, length = record.offset, record.length
     itemsize = ref.storage.dtype.itemsize
     needed = ref.storage_offset + sum((s - 1) * d for s, d in zip(ref.size, ref.stride, strict=True)) + 1
     if math.prod(ref.size) and needed * itemsize > length:

@@ -8,6 +8,7 @@ whose offset cannot be established (a compressed record, a non-contiguous view) 
 the mapping instead, and its pages are dropped right after.
 """
 
+import functools
 import mmap
 import os
 import threading
@@ -16,9 +17,11 @@ from collections.abc import Callable
 import torch
 
 from mergeflow import pages
-from mergeflow.fsdp import take_or_load
+from mergeflow.errors import CheckpointError, quoted
+from mergeflow.fsdp import CORRUPT_HINT, take_or_load
 from mergeflow.placement import Block
 from mergeflow.rank_pickle import RankTensor
+from mergeflow.record_check import RecordCheck, RecordCorrupt
 
 ALIGNMENT = 4096
 STAGING_BYTES = 16 * 1024 * 1024
@@ -36,39 +39,44 @@ class RankReader:
     measured, buffered cold reads cost the kernel more CPU than the merge itself and halved
     throughput while the output was being written.
 
-    Rows of different ranks can be read at the same time from different threads (each has its own
-    staging buffer).
+    Every byte read is checked against the CRC-32 of the zip record it belongs to (`verify`, which a
+    merge calls before it keeps what it wrote). Rows of different ranks can be read at the same time from
+    different threads (each has its own staging buffer).
     """
 
     def __init__(self, rank_files: tuple[str, ...]):
         self._rank_files = rank_files
         self._states: dict[int, dict[str, RankTensor]] = {}
         self._direct_fds: dict[int, int | None] = {}
+        self._checks: dict[tuple[int, str], RecordCheck] = {}
         self._opening = threading.Lock()
         self._per_thread = threading.local()
 
     def local(self, name: str, rank: int) -> torch.Tensor:
         """The memory-mapped local tensor (its metadata is free; touching its data costs page faults)."""
-        self._open(rank)
-        return self._states[rank][name].local
+        return self._tensor(name, rank).local
 
     def read_rows(self, name: str, rank: int, start: int, stop: int, into: torch.Tensor) -> None:
         """Copy rows `[start, stop)` of a rank's local tensor into `into`, casting to its dtype."""
-        source = self.local(name, rank)
+        tensor = self._tensor(name, rank)
+        source = tensor.local
         rows = source[start:stop] if source.dim() else source
-        offset = self._states[rank][name].file_offset
-        direct_fd = self._direct_fds[rank]
+        check = self._check(rank, tensor)
         row_bytes = source[0].numel() * source.element_size() if source.dim() else 0
+        offset = tensor.file_offset + start * row_bytes if tensor.file_offset is not None else None
+        direct_fd = self._direct_fds[rank]
         if offset is None or direct_fd is None or row_bytes == 0:
-            _copy_mapped(rows, into)
+            _copy_mapped(rows, into, check, offset)
             return
         done = 0
         for first, last in _uncached_rows(rows, row_bytes):
-            _copy_mapped(rows[done:first], into[done:first])
-            data = self._read_direct(direct_fd, rank, offset + (start + first) * row_bytes, (last - first) * row_bytes)
+            _copy_mapped(rows[done:first], into[done:first], check, offset + done * row_bytes)
+            data = self._read_direct(direct_fd, rank, offset + first * row_bytes, (last - first) * row_bytes)
+            if check is not None:
+                check.add(offset + first * row_bytes, data.numpy())
             into[first:last].copy_(data.view(source.dtype).view(rows[first:last].shape))
             done = last
-        _copy_mapped(rows[done:], into[done:])
+        _copy_mapped(rows[done:], into[done:], check, offset + done * row_bytes)
 
     def copy_rows_of(self, name: str) -> Callable[[Block, int, int, torch.Tensor], None]:
         """The `streaming.CopyRows` callable for tensor `name`: copies a block's rows from its rank."""
@@ -77,6 +85,42 @@ class RankReader:
             self.read_rows(name, block.rank, start, stop, into)
 
         return copy_rows
+
+    def verify(self) -> None:
+        """Check every record read from against its CRC-32 (reading the bytes of it no row covered).
+
+        Raises:
+            CheckpointError: a record's bytes are not the ones torch.save wrote; the error names the rank
+                file and the tensors the record holds.
+        """
+        for (rank, key), check in sorted(self._checks.items()):
+            path = self._rank_files[rank]
+            try:
+                with open(path, "rb") as file:
+                    check.finish(functools.partial(_read_at, file))
+            except RecordCorrupt as e:
+                names = sorted(name for name, t in self._states[rank].items() if t.record and t.record.key == key)
+                raise CheckpointError(
+                    f"corrupt rank file {path}: the data of {quoted(names)} does not match its CRC-32 ({e})",
+                    hint=CORRUPT_HINT,
+                ) from None
+        self._checks.clear()
+
+    def _check(self, rank: int, tensor: RankTensor) -> RecordCheck | None:
+        """The CRC-32 check of the record holding `tensor` (None for a compressed record, which torch.save
+        never writes). A tensor whose bytes are not located in the file adds no pieces: `verify` reads its
+        whole record."""
+        if tensor.record is None:
+            return None
+        key = (rank, tensor.record.key)
+        check = self._checks.get(key)
+        if check is None:
+            check = self._checks.setdefault(key, RecordCheck(tensor.record))
+        return check
+
+    def _tensor(self, name: str, rank: int) -> RankTensor:
+        self._open(rank)
+        return self._states[rank][name]
 
     def _read_direct(self, fd: int, rank: int, offset: int, length: int) -> torch.Tensor:
         """`length` bytes at `offset` read with O_DIRECT, as a uint8 view of the staging buffer (valid
@@ -115,6 +159,7 @@ class RankReader:
                 os.close(fd)
         self._direct_fds.clear()
         self._states.clear()
+        self._checks.clear()
         self._per_thread = threading.local()
 
     def __enter__(self) -> "RankReader":
@@ -124,10 +169,21 @@ class RankReader:
         self.close()
 
 
-def _copy_mapped(rows: torch.Tensor, into: torch.Tensor) -> None:
-    """Copy rows out of the mapping (page faults read what is not cached), then drop their pages."""
+def _read_at(file, offset: int, length: int) -> bytes:
+    file.seek(offset)
+    data = file.read(length)
+    if len(data) != length:
+        raise RecordCorrupt(f"the file ends {length - len(data)} bytes before its record does")
+    return data
+
+
+def _copy_mapped(rows: torch.Tensor, into: torch.Tensor, check: RecordCheck | None, offset: int | None) -> None:
+    """Copy rows out of the mapping (page faults read what is not cached), add their bytes (at `offset` of
+    the file) to the record's check, then drop their pages."""
     if rows.numel():
         into.copy_(rows)
+        if check is not None and offset is not None:
+            check.add(offset, rows.reshape(-1).view(torch.uint8).numpy())
         pages.release(rows)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.dtypes import SAFETENSORS_CODES, parse_dtype_name
+from mergeflow.output import FILE_MODE
 
 HEADER_ALIGNMENT = 8
 DIRECT_ALIGNMENT = 4096
@@ -71,10 +72,10 @@ class AlignedFile:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         direct = getattr(os, "O_DIRECT", 0)
         try:
-            self._fd = os.open(path, flags | direct, 0o644)
+            self._fd = os.open(path, flags | direct, FILE_MODE)
             self.direct = bool(direct)
         except OSError:
-            self._fd = os.open(path, flags, 0o644)
+            self._fd = os.open(path, flags, FILE_MODE)
             self.direct = False
         self._buffer = mmap.mmap(-1, buffer_bytes)
         self._view = memoryview(self._buffer)

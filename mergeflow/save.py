@@ -23,6 +23,7 @@ from mergeflow.manifest import SavedModel, describe_files
 from mergeflow.materialize import open_tensors
 from mergeflow.output import staged_output
 from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
+from mergeflow.run_layout import protected_paths
 from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.streaming import CHUNK_BYTES, prefetched
 
@@ -58,12 +59,14 @@ def save_model(
 ) -> SavedModel:
     """Write the merged model to `target_dir`: weights, index, config, generation config and side files,
     and the LoRA adapter in `lora_adapter/` when given. With no `plan` (a LoRA-only checkpoint) only
-    the adapter is written.
+    the adapter is written. A target that overlaps the checkpoint or its config is refused
+    (`mergeflow.output.check_target`).
 
     `chunk_bytes` bounds each assembled block of rows, and so the merge's memory.
     """
     target_dir = Path(target_dir).absolute()
-    with staged_output(target_dir, overwrite=overwrite) as staging:
+    protected = protected_paths(index.checkpoint_dir, spec.config_dir)
+    with staged_output(target_dir, overwrite=overwrite, protected=protected) as staging:
         saved = save_staged(
             plan, index, spec, staging, target_dir, adapter=adapter, progress=progress, chunk_bytes=chunk_bytes
         )
@@ -197,7 +200,7 @@ def write_shard(
     finished = _finished_shard(final, marker, expected_size, planned)
     if finished is not None:
         if on_bytes is not None:
-            on_bytes(expected_size)
+            on_bytes(sum(entry.nbytes for entry in entries))
         return finished
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     try:
@@ -211,6 +214,7 @@ def write_shard(
                 writer.write(tensor_name, chunk)
                 if on_bytes is not None:
                     on_bytes(chunk.numel() * chunk.element_size())
+            reader.verify()
     except ShardWriteStopped:
         partial.unlink(missing_ok=True)
         raise

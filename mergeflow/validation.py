@@ -1,21 +1,23 @@
 """Validation of merged models: completeness, tensor-by-tensor comparison with a reference, logits.
 
 Tensors are compared bit for bit by default: a merge only copies and casts, so a correct merge
-equals the reference exactly once both are in the same dtype (a dtype mismatch is reported as
-such, never rounded away). `atol`/`rtol` loosen the comparison for references that went through
+equals the reference exactly once both are in the same dtype (a floating reference in another dtype
+is cast to the merged one first, as the merge cast the trained tensors, and the report says so). `atol`/`rtol` loosen the comparison for references that went through
 other arithmetic. Logits are compared with the tolerances of `LOGITS_TOLERANCES`, in the merged
 model's dtype, because kernels may differ with memory alignment in the last bits.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from mergeflow.config_files import CONFIG_FILE
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
-from mergeflow.hf_config import CONFIG_FILE, load_model_spec
+from mergeflow.hf_config import load_model_spec
 from mergeflow.lora import ADAPTER_SUBDIR
 from mergeflow.model_folder import (
     SafetensorsFolder,
@@ -23,6 +25,7 @@ from mergeflow.model_folder import (
     completeness_problems,
     dominant_floating_dtype,
     open_model_folder,
+    weight_counts,
 )
 from mergeflow.streaming import CHUNK_BYTES, row_ranges
 
@@ -68,6 +71,12 @@ class ValidationReport:
     tensors_compared: int = 0
     largest_differences: tuple[TensorDifference, ...] = field(default_factory=tuple)
     logits: LogitsCheck | None = None
+    weight_files: int = 0
+    """Weight files the folder's index names (checked complete)."""
+    tensors: int = 0
+    """Tensors those files hold."""
+    reference_casts: tuple[str, ...] = ()
+    """Dtype casts applied to the reference before comparing (`float32 -> bfloat16`)."""
 
     @property
     def passed(self) -> bool:
@@ -75,12 +84,16 @@ class ValidationReport:
 
     def verdict(self) -> str:
         """One line: passed or failed, and what was checked."""
-        checked = "complete"
+        if self.problems:
+            return f"failed ({len(self.problems)} problem(s): {self.problems[0]})"
+        files = f"{self.weight_files} weight file{'s' if self.weight_files != 1 else ''}"
+        checked = [f"complete ({files}, {self.tensors} tensors)"]
         if self.reference_dir:
-            checked += f", {self.tensors_compared} tensors equal to {self.reference_dir}"
-        if self.logits is not None and self.logits.compared:
-            checked += ", logits match" if self.logits.passed else ", logits differ"
-        return f"{'passed' if self.passed else 'failed'} ({checked})"
+            cast = f" (reference cast {', '.join(self.reference_casts)})" if self.reference_casts else ""
+            checked.append(f"{self.tensors_compared} tensors equal {self.reference_dir}{cast}")
+        if self.logits is not None:
+            checked.append(self.logits.message)
+        return f"{'passed' if self.passed else 'failed'}: {'; '.join(checked)}"
 
     def failure_message(self) -> str:
         shown = list(self.problems[:5])
@@ -98,25 +111,29 @@ def validate_model_dir(
     check_logits: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
+    shown_as: str | None = None,
 ) -> ValidationReport:
-    """Check a merged folder's completeness and, given a reference, its tensors (and optionally logits)."""
+    """Check a merged folder's completeness and, given a reference, its tensors (and optionally logits).
+
+    A merged model in another floating dtype than the reference is compared with the reference cast to the
+    merged dtype, as the merge cast the trained tensors; the report says so. `shown_as` names the folder in
+    the report (a staging directory is validated before it becomes the target).
+    """
     problems = completeness_problems(model_dir)
+    name = shown_as or str(model_dir)
     adapter_only = (Path(model_dir) / ADAPTER_SUBDIR).is_dir() and not (Path(model_dir) / CONFIG_FILE).exists()
     if reference_dir is not None and adapter_only:
-        problems.append(f"{model_dir} holds a LoRA adapter only: no base model to compare with {reference_dir}")
+        problems.append(f"{name} holds a LoRA adapter only: no base model to compare with {reference_dir}")
+    weight_files, tensors = weight_counts(Path(model_dir)) if not problems else (0, 0)
+    counts = {"weight_files": weight_files, "tensors": tensors}
     if problems or reference_dir is None:
-        return ValidationReport(
-            str(model_dir), str(reference_dir) if reference_dir else None, tuple(problems)
-        )
+        return ValidationReport(name, str(reference_dir) if reference_dir else None, tuple(problems), **counts)
     tied = load_model_spec(Path(model_dir)).tied
     report = compare_to_reference(
-        SafetensorsFolder(model_dir), reference_dir, model_dir=str(model_dir), tied=tied, atol=atol, rtol=rtol
+        SafetensorsFolder(model_dir), reference_dir, model_dir=name, tied=tied, atol=atol, rtol=rtol
     )
-    if check_logits and report.passed:
-        return ValidationReport(
-            **{**report.__dict__, "logits": compare_logits(Path(model_dir), Path(reference_dir))}
-        )
-    return report
+    logits = compare_logits(Path(model_dir), Path(reference_dir)) if check_logits and report.passed else None
+    return dataclasses.replace(report, logits=logits, **counts)
 
 
 def compare_to_reference(
@@ -140,15 +157,18 @@ def compare_to_reference(
     if extra:
         problems.append(f"extra key(s) {quoted(extra)}")
     differences = []
+    casts = set()
     for name in [n for n in candidate.names() if n in reference_names]:
         mine, theirs = candidate.info(name), reference.info(name)
         if mine.shape != theirs.shape:
             problems.append(f"shape mismatch for {name}: got {mine.shape}, expected {theirs.shape}")
-        elif mine.dtype != theirs.dtype:
+        elif mine.dtype != theirs.dtype and not (mine.dtype.is_floating_point and theirs.dtype.is_floating_point):
             problems.append(
                 f"dtype mismatch for {name}: got {dtype_name(mine.dtype)}, expected {dtype_name(theirs.dtype)}"
             )
         else:
+            if mine.dtype != theirs.dtype:
+                casts.add(f"{dtype_name(theirs.dtype)} -> {dtype_name(mine.dtype)}")
             difference = _compare_values(candidate, reference, name, mine, atol, rtol, chunk_bytes)
             differences.append(difference)
             if difference.mismatched:
@@ -157,7 +177,9 @@ def compare_to_reference(
                     f"max |diff| {difference.max_abs_diff:.6g}"
                 )
     largest = sorted(differences, key=lambda d: (-d.max_abs_diff, -d.mismatched, d.name))[:MAX_REPORTED]
-    return ValidationReport(model_dir, str(reference_dir), tuple(problems), len(differences), tuple(largest))
+    return ValidationReport(
+        model_dir, str(reference_dir), tuple(problems), len(differences), tuple(largest), reference_casts=tuple(sorted(casts))
+    )
 
 
 def _comparable_names(candidate: list[str], reference: list[str], tied: dict[str, str]) -> tuple[set, set]:
@@ -176,7 +198,7 @@ def _compare_values(
 ) -> TensorDifference:
     max_abs_diff, mismatched = 0.0, 0
     for start, stop in row_ranges(info.shape, info.dtype.itemsize, chunk_bytes):
-        mine, theirs = candidate.rows(name, start, stop), reference.rows(name, start, stop)
+        mine, theirs = candidate.rows(name, start, stop), reference.rows(name, start, stop).to(info.dtype)
         if atol == 0 and rtol == 0:
             different = _bits(mine) != _bits(theirs)
         else:

@@ -25,6 +25,7 @@ def compare_checkpoint(
         report = compare_to_reference(
             merged, Path(test_hf_dir), model_dir=index.checkpoint_dir, tied=spec.tied, atol=atol, rtol=rtol
         )
+        merged.verify()
     logger = get_run_logger()
     if report.passed:
         logger.info("%d tensors equal the reference %s", report.tensors_compared, test_hf_dir)

@@ -4,7 +4,8 @@ from prefect.cache_policies import NO_CACHE
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec
 from mergeflow.lora import LoraPlan, plan_lora
-from mergeflow.planning import DEFAULT_DTYPE, AdapterPlan, plan_adapter
+from mergeflow.options import DEFAULT_DTYPE
+from mergeflow.planning import AdapterPlan, plan_adapter
 
 
 @task(name="extract-lora", cache_policy=NO_CACHE)

@@ -4,7 +4,8 @@ from prefect.cache_policies import NO_CACHE
 from mergeflow.fsdp import ShardIndex
 from mergeflow.hf_config import ModelSpec
 from mergeflow.lora import LoraPlan
-from mergeflow.planning import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergePlan, plan_merge
+from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE
+from mergeflow.planning import MergePlan, plan_merge
 
 
 @task(name="merge", cache_policy=NO_CACHE)

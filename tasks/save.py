@@ -40,7 +40,7 @@ def save(
         len(saved.files),
         saved.total_size,
         saved.seconds,
-        f" ({resumed} shard(s) already written as planned)" if resumed else "",
+        f" ({resumed} weight file(s) kept from earlier: written while the config was read or by an interrupted run)" if resumed else "",
     )
     return saved
 

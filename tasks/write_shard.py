@@ -20,7 +20,7 @@ def write_shard(
     with tqdm(total=size, unit="B", unit_scale=True, desc=filename, disable=not progress) as bar:
         written = write_shard_file(plan, index, Path(staging_dir), filename, on_bytes=bar.update)
     if written.resumed:
-        get_run_logger().info("%s: already written as planned (%d bytes)", filename, written.size)
+        get_run_logger().info("%s: already written (%d bytes), kept", filename, written.size)
     else:
         get_run_logger().info("%s: %d bytes written", filename, written.size)
     return written

@@ -79,10 +79,11 @@ def test_offsets_of_a_torch_loaded_state_point_at_each_tensors_bytes(fixtures):
 
     raw = path.read_bytes()
     assert offsets.keys() == locals_by_name.keys()
-    for name, offset in offsets.items():
+    for name, (offset, record) in offsets.items():
         local = locals_by_name[name]
         nbytes = local.numel() * local.element_size()
         assert raw[offset : offset + nbytes] == local.contiguous().view(torch.uint8).numpy().tobytes(), name
+        assert record.offset <= offset and offset + nbytes <= record.offset + record.length, name
 
 
 def test_rows_read_directly_from_disk_equal_the_mapped_tensor(copy_checkpoint):

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 STARTUP_SECONDS = 180
 MERGE_SECONDS = 120
 QUIET_SECONDS = 15
+EARLIER_RUN, EARLIER_STEP = "run-b", 5
+"""A run whose checkpoint was complete before `mergeflow serve` started."""
 
 
 def free_port() -> int:
@@ -82,10 +84,12 @@ def served(fixtures, tmp_path_factory):
         env=env, stdout=open(logs / "server.log", "w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     run_dir, output_dir = base / "run-a", base / "out"
+    save_step(fixtures["qwen2-ws2"], base / EARLIER_RUN, EARLIER_STEP)  # complete before serve starts
     try:
         wait_until(lambda: healthy(api_url), STARTUP_SECONDS, "the Prefect server")
         serve = subprocess.Popen(
-            [sys.executable, "-m", "cli", "serve", "--watch", str(run_dir), "--output", str(output_dir)],
+            [sys.executable, "-m", "cli", "serve", "--watch", str(run_dir), "--watch", str(base / EARLIER_RUN),
+             "--output", str(output_dir)],
             env=env, stdout=open(logs / "serve.log", "w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -134,6 +138,14 @@ def test_saved_checkpoint_becomes_a_validated_model(served, fixtures):
         "a Completed flow run",
     )
     assert run.name == "merge run-a/step-1/actor"
+    assert validate_model_dir(target).passed
+
+
+def test_a_checkpoint_complete_before_serve_started_is_merged_promptly(served):
+    _, _, output_dir = served
+
+    target = output_dir / EARLIER_RUN / f"global_step_{EARLIER_STEP}" / "actor"
+    wait_until(lambda: (target / "model.safetensors").is_file(), MERGE_SECONDS, "the merge of the earlier checkpoint")
     assert validate_model_dir(target).passed
 
 

@@ -88,14 +88,38 @@ def test_shape_mismatch_fails_naming_the_key(fixtures, merged_dir, tmp_path):
     assert report.problems == ("shape mismatch for model.norm.weight: got (24,), expected (25,)",)
 
 
-def test_dtype_mismatch_fails_naming_the_key(fixtures, merged_dir, tmp_path):
+def test_a_non_floating_dtype_mismatch_fails_naming_the_key(fixtures, merged_dir, tmp_path):
     def cast(tensors):
-        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
         return tensors
 
     report = validate_model_dir(merged_dir, reference_dir=edited_reference(fixtures, tmp_path, cast))
 
-    assert report.problems == ("dtype mismatch for model.norm.weight: got float32, expected bfloat16",)
+    assert report.problems == ("dtype mismatch for model.norm.weight: got float32, expected int32",)
+
+
+def test_a_reference_in_another_floating_dtype_is_compared_cast_to_the_merged_dtype(fixtures, tmp_path):
+    bf16_merge = tmp_path / "bf16"
+    merge_with_engine(fixtures[CHECKPOINT].checkpoint_dir, bf16_merge, dtype="bf16")
+
+    report = validate_model_dir(bf16_merge, reference_dir=fixtures[CHECKPOINT].reference_dir)
+
+    assert report.passed, report.failure_message()
+    assert report.reference_casts == ("float32 -> bfloat16",)
+    assert "reference cast float32 -> bfloat16" in report.verdict()
+
+
+def test_a_reference_in_another_floating_dtype_still_fails_on_other_values(fixtures, tmp_path):
+    def perturb(tensors):
+        tensors["model.norm.weight"][0] += 1.0
+        return tensors
+
+    bf16_merge = tmp_path / "bf16"
+    merge_with_engine(fixtures[CHECKPOINT].checkpoint_dir, bf16_merge, dtype="bf16")
+
+    report = validate_model_dir(bf16_merge, reference_dir=edited_reference(fixtures, tmp_path, perturb))
+
+    assert [problem.split(":")[0] for problem in report.problems] == ["value mismatch for model.norm.weight"]
 
 
 def test_tolerances_accept_small_differences(fixtures, merged_dir, tmp_path):
@@ -291,6 +315,8 @@ class TestCommands:
         assert set(by_key) == set(keys)
         assert "| validation | passed |" in by_key[keys[0]].data
         assert "| world size | 3 |" in by_key[keys[0]].data
+        assert f"| output | `{target_dir.absolute()}` |" in by_key[keys[0]].data
+        assert ".mergeflow-staging" not in by_key[keys[0]].data
 
 
 def artifacts_by_key(keys: list[str], *, flow_run_id) -> dict:

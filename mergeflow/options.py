@@ -1,0 +1,63 @@
+"""The options of a merge: their choices and defaults, each defined once (imports no torch)."""
+
+from dataclasses import dataclass
+
+from mergeflow.errors import OptionError
+
+BACKENDS = ("fsdp", "megatron")
+DTYPE_NAMES = ("bf16", "fp16", "fp32", "keep")
+"""`--dtype` choices: the floating dtype written, or `keep` for the shards' own."""
+DEFAULT_DTYPE = "bf16"
+"""verl's merger writes bf16."""
+MAX_SHARD_SIZE = "5GB"
+DEFAULT_TARGET_DIR = "tmp"
+"""verl's merger writes to ./tmp when no --target_dir is given."""
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """Every option that changes what a merge writes (and so enters its cache key)."""
+
+    backend: str = "fsdp"
+    dtype: str = DEFAULT_DTYPE
+    max_shard_size: str = MAX_SHARD_SIZE
+    hf_model_config_path: str | None = None
+    trust_remote_code: bool = False
+    is_value_model: bool = False
+    tie_word_embedding: bool = False
+    merge_lora: bool = False
+    lora_alpha: float | None = None
+    base_model: str | None = None
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise OptionError(f"backend '{backend}' is not supported: choose one of {', '.join(BACKENDS)}")
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPE_NAMES:
+        raise OptionError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPE_NAMES)}")
+
+
+def check_shard_size(max_shard_size: str | int) -> None:
+    """Raises OptionError unless huggingface_hub reads `max_shard_size` as a size ("5GB", "500MB", bytes)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        parse_size_to_int(max_shard_size)
+    except ValueError as e:
+        raise OptionError(f"invalid --max-shard-size {max_shard_size!r}: {e}") from e
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Raises OptionError unless `repo_id` reads `user/name` as the Hub accepts it."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise OptionError(f"invalid --hf_upload_path {repo_id!r}: {e}") from e
+    if repo_id.count("/") != 1:
+        raise OptionError(f"invalid --hf_upload_path {repo_id!r}: expected 'user/name' or 'org/name'")

@@ -1,0 +1,109 @@
+"""Checks of a command's paths and flags that need no tensor data, no torch and no Prefect.
+
+The CLI runs them before it imports anything heavy, so a mistake that the paths and flags already show
+(a missing directory, the run root instead of `actor/`, a missing rank file, a target that overlaps the
+checkpoint, a bad repo id) is answered in a fraction of a second. The pipeline checks the same things
+again, with the rest, for callers that do not come through the CLI.
+"""
+
+from pathlib import Path
+
+from mergeflow.config_files import CONFIG_FILE, require_config
+from mergeflow.errors import CheckpointError
+from mergeflow.fsdp_layout import RankFiles, default_config_dir, find_rank_files
+from mergeflow.megatron_layout import MegatronLayout, find_megatron_checkpoint
+from mergeflow.options import check_backend, check_repo_id, check_shard_size
+from mergeflow.output import check_overlap, check_target
+from mergeflow.run_layout import Protected, protected_paths
+
+REFERENCE_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def find_checkpoint(local_dir: str | Path, backend: str) -> RankFiles | MegatronLayout:
+    """The checkpoint's files, in the backend's layout.
+
+    Raises:
+        CheckpointError: it is missing, incomplete, or not in the backend's layout (naming the directory to
+            pass where the user pointed at a parent).
+        OptionError: an unknown backend.
+    """
+    check_backend(backend)
+    if backend == "megatron":
+        return find_megatron_checkpoint(Path(local_dir))
+    return find_rank_files(Path(local_dir))
+
+
+def config_dir_of(checkpoint: RankFiles | MegatronLayout, hf_model_config_path: str | Path | None = None) -> Path:
+    """Where the checkpoint's Hugging Face config is: the given directory, else the one saved beside it."""
+    if hf_model_config_path:
+        return Path(hf_model_config_path)
+    if isinstance(checkpoint, MegatronLayout):
+        return Path(checkpoint.hf_dir)
+    return default_config_dir(Path(checkpoint.checkpoint_dir))
+
+
+def check_checkpoint(
+    local_dir: str | Path, backend: str, hf_model_config_path: str | Path | None = None
+) -> tuple[RankFiles | MegatronLayout, Path]:
+    """The checkpoint and its config directory, which must hold config.json."""
+    checkpoint = find_checkpoint(local_dir, backend)
+    config_dir = config_dir_of(checkpoint, hf_model_config_path)
+    require_config(config_dir)
+    return checkpoint, config_dir
+
+
+def check_merge_target(target_dir: str | Path, *, overwrite: bool, protected: tuple[Protected, ...]) -> None:
+    """The target's checks that need no record of earlier merges: it overlaps nothing protected, holds no
+    training files, and is empty unless `overwrite` is set. A non-empty model folder is left to the
+    pipeline, which knows whether it is this merge's own earlier output (a re-run then reuses it)."""
+    earlier_output = (Path(target_dir) / CONFIG_FILE).is_file()
+    check_target(Path(target_dir), overwrite=overwrite or earlier_output, protected=protected)
+
+
+def check_reference(test_hf_dir: str | Path) -> None:
+    """A reference model folder for `--test_hf_dir`: a directory holding weights.
+
+    Raises:
+        CheckpointError: it is missing or holds no weights.
+    """
+    directory = Path(test_hf_dir)
+    if not directory.is_dir():
+        raise CheckpointError(f"reference model directory not found: {directory}")
+    if not any(any(directory.glob(pattern)) for pattern in REFERENCE_WEIGHTS):
+        raise CheckpointError(f"no weights in {directory}: expected *.safetensors or pytorch_model*.bin files")
+
+
+def check_merge(
+    local_dir: str,
+    target_dir: str,
+    *,
+    backend: str,
+    hf_model_config_path: str | None,
+    overwrite: bool,
+    max_shard_size: str,
+    test_hf_dir: str | None,
+    hf_upload_path: str | None,
+) -> None:
+    """Everything `mergeflow merge` can check from its paths and flags."""
+    check_shard_size(max_shard_size)
+    if hf_upload_path:
+        check_repo_id(hf_upload_path)
+    _, config_dir = check_checkpoint(local_dir, backend, hf_model_config_path)
+    check_merge_target(target_dir, overwrite=overwrite, protected=protected_paths(local_dir, config_dir))
+    if test_hf_dir:
+        check_reference(test_hf_dir)
+
+
+def check_model_folder(target_dir: str | Path) -> None:
+    """A merged model folder to validate must exist (what is in it is validation's business).
+
+    Raises:
+        CheckpointError: it is missing or not a directory.
+    """
+    if not Path(target_dir).is_dir():
+        raise CheckpointError(f"model directory not found: {target_dir}")
+
+
+def check_output_dir(output_dir: str | Path, run_dirs: list[str]) -> None:
+    """Merged models of the runs go under `output_dir`, which must lie outside every run directory."""
+    check_overlap(Path(output_dir), [Protected("a run directory", Path(run_dir)) for run_dir in run_dirs])

@@ -1,0 +1,34 @@
+"""The `mergeflow` command run as users run it: a fresh process, its exit code, output and wall time."""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+COMMAND = [sys.executable, "-m", "cli"]
+
+
+@dataclass(frozen=True)
+class CliRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+    @property
+    def last_line(self) -> str:
+        lines = [line for line in self.stdout.splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> CliRun:
+    started = time.monotonic()
+    done = subprocess.run(
+        [*COMMAND, *map(str, args)], env=env or dict(os.environ), capture_output=True, text=True, timeout=timeout
+    )
+    return CliRun(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
