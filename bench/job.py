@@ -21,16 +21,16 @@ def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
     """The merge flow's engine steps, as `mergeflow merge` starts them: the read-ahead and the spec's build (a
     child process) begin before the imports that need torch; the read-ahead ends when the merge starts
     reading for itself, and the shards are written while the spec is built (`mergeflow.early_write`)."""
-    from mergeflow.fsdp_layout import default_config_dir, find_rank_files
-    from mergeflow.read_ahead import start_read_ahead, stop_read_ahead
-    from mergeflow.spec_build import SpecBuild
+    from mergeflow.formats.fsdp.layout import default_config_dir, find_rank_files
+    from mergeflow.perf.read_ahead import start_read_ahead, stop_read_ahead
+    from mergeflow.spec.build import SpecBuild
 
     rank_files = find_rank_files(checkpoint_dir)
     start_read_ahead(rank_files.data_files)
     build = SpecBuild(default_config_dir(checkpoint_dir))
 
     from mergeflow.early_write import save_model_early
-    from mergeflow.fsdp import index_shards
+    from mergeflow.formats.fsdp.index import index_shards
 
     stop_read_ahead(rank_files.data_files)  # from here on the merge reads for itself
     index = index_shards(rank_files)

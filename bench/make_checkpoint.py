@@ -19,7 +19,7 @@ WORKER_TIMEOUT_SECONDS = 3600
 
 def write_huggingface_dir(model: str, checkpoint_dir: Path) -> None:
     from bench.shapes import qwen25_config
-    from mergeflow.fixtures.models import tiny_tokenizer
+    from mergeflow.testing.models import tiny_tokenizer
 
     hf_dir = checkpoint_dir / "huggingface"
     qwen25_config(model).save_pretrained(hf_dir)
@@ -33,7 +33,7 @@ def rank_main(model: str, checkpoint_dir: Path) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     from bench.shapes import qwen25_config, state_dict_shapes
-    from mergeflow.placement import chunk_bounds
+    from mergeflow.formats.fsdp.placement import chunk_bounds
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from bench.make_checkpoint import write_checkpoint
-from mergeflow.spec_cache import CACHE_DIR_VARIABLE
+from mergeflow.spec.cache import CACHE_DIR_VARIABLE
 
 MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"]
 VERL_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]
@@ -177,7 +177,7 @@ def run_step(step: Step, checkpoint_dir: Path, outputs: dict[str, Path], spec_ca
 
 def store_spec(checkpoint_dir: Path, spec_cache: Path) -> None:
     """Build the checkpoint's spec into `spec_cache`, untimed, as a first merge of its config would."""
-    subprocess.run([sys.executable, "-m", "mergeflow.spec_build", str(checkpoint_dir / "huggingface")],
+    subprocess.run([sys.executable, "-m", "mergeflow.spec.build", str(checkpoint_dir / "huggingface")],
                    env={**os.environ, CACHE_DIR_VARIABLE: str(spec_cache)}, check=True)
 
 

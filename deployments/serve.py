@@ -10,10 +10,10 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 from prefect.runner import Runner
 
-from deployments.watcher import EVENT_NAME, RESOURCE_PREFIX, watching
-from flows.merge import merge_checkpoint
-from flows.sweep import sweep_checkpoints
-from flows.task_runners import task_runner_from
+from mergeflow.deployments.watcher import EVENT_NAME, RESOURCE_PREFIX, watching
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.flows.sweep import sweep_checkpoints
+from mergeflow.flows.task_runners import task_runner_from
 from mergeflow.options import DEFAULT_DTYPE
 
 MERGE_DEPLOYMENT = "on-checkpoint"

@@ -20,7 +20,7 @@ from prefect.settings import get_current_settings
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from mergeflow.manifest import file_listing
+from mergeflow.output.manifest import file_listing
 from mergeflow.run_layout import TRACKER_FILE, Checkpoint, complete_checkpoints
 
 EVENT_NAME = "mergeflow.checkpoint.saved"

@@ -5,8 +5,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from flows.merge import merge_checkpoint
-from mergeflow.fixtures.fsdp import FixtureSpec, write_fixtures
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.testing.fsdp import FixtureSpec, write_fixtures
 
 DEMO_SPEC = FixtureSpec(name="demo", model="qwen2", world_size=2, tie=True, dtype="fp32", step=100)
 DEMO_INPUT_IDS = [[2, 5, 7, 11, 13, 17, 19, 23]]

@@ -2,7 +2,7 @@
 shards written as their own task runs, validation, model card and publication; then the upload.
 
 While a config not seen before is read, an FSDP checkpoint's shards are already being written as the
-checkpoint alone suggests (`mergeflow.early_write`); the shard tasks keep those the plan agrees with."""
+checkpoint alone suggests (`mergeflow.early_write`); the shard mergeflow.tasks keep those the plan agrees with."""
 
 import dataclasses
 import shutil
@@ -18,36 +18,36 @@ from prefect.tasks import exponential_backoff
 from mergeflow.early_write import EarlyWrite, early_write
 from mergeflow.errors import MergeflowError, ValidationError
 from mergeflow.fingerprint import MergeKey
-from mergeflow.fsdp import index_shards
-from mergeflow.fsdp_layout import RankFiles
+from mergeflow.formats.fsdp.index import index_shards
+from mergeflow.formats.fsdp.layout import RankFiles
+from mergeflow.formats.megatron.layout import MegatronLayout
 from mergeflow.hub import check_repo_id, default_revision, training_step
 from mergeflow.lora import LoraPlan, describe_lora
-from mergeflow.manifest import SavedModel, output_intact
-from mergeflow.megatron_layout import MegatronLayout
-from mergeflow.model_card import MergeFacts
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, MergeOptions, check_backend
-from mergeflow.output import check_target, resumable_staging, staging_dir_of
+from mergeflow.output.manifest import SavedModel, output_intact
+from mergeflow.output.model_card import MergeFacts
+from mergeflow.output.save import relocated
+from mergeflow.output.staging import check_target, resumable_staging, staging_dir_of
+from mergeflow.perf.read_ahead import read_ahead, stop_read_ahead
 from mergeflow.planning import MergePlan
 from mergeflow.preflight import config_dir_of
-from mergeflow.read_ahead import read_ahead, stop_read_ahead
 from mergeflow.run_layout import label_of, protected_paths
-from mergeflow.save import relocated
-from mergeflow.spec_build import SpecBuild
-from mergeflow.validation import ValidationReport
-from tasks.cache import MERGE_CACHE, recorded_merge
-from tasks.copy_model import copy_model
-from tasks.detect_world_size import detect_world_size
-from tasks.extract_lora import extract_lora
-from tasks.fingerprint import fingerprint
-from tasks.load_config import load_config
-from tasks.load_shards import load_shards
-from tasks.merge import merge
-from tasks.publish import publish
-from tasks.publish_report import publish_report
-from tasks.save import save
-from tasks.upload import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS, upload
-from tasks.validate import validate
-from tasks.write_model_card import write_card
+from mergeflow.spec.build import SpecBuild
+from mergeflow.tasks.cache import MERGE_CACHE, recorded_merge
+from mergeflow.tasks.copy_model import copy_model
+from mergeflow.tasks.detect_world_size import detect_world_size
+from mergeflow.tasks.extract_lora import extract_lora
+from mergeflow.tasks.fingerprint import fingerprint
+from mergeflow.tasks.load_config import load_config
+from mergeflow.tasks.load_shards import load_shards
+from mergeflow.tasks.merge import merge
+from mergeflow.tasks.publish import publish
+from mergeflow.tasks.publish_report import publish_report
+from mergeflow.tasks.save import save
+from mergeflow.tasks.upload import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS, upload
+from mergeflow.tasks.validate import validate
+from mergeflow.tasks.write_model_card import write_card
+from mergeflow.validation.validate import ValidationReport
 
 SHARD_WORKERS = 2
 """Output shards written at once by the default (thread pool) task runner."""

@@ -4,8 +4,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.merge import merge_checkpoint
 from mergeflow.errors import MergeflowError
+from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.options import DEFAULT_DTYPE
 from mergeflow.run_layout import Checkpoint, complete_checkpoints
 

@@ -3,8 +3,8 @@
 from prefect import flow
 
 from mergeflow.errors import ValidationError
-from mergeflow.validation import ValidationReport
-from tasks.validate import validate
+from mergeflow.tasks.validate import validate
+from mergeflow.validation.validate import ValidationReport
 
 
 @flow(name="validate-model")

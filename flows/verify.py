@@ -8,14 +8,14 @@ from prefect import flow
 from mergeflow.errors import OptionError, ValidationError
 from mergeflow.options import check_backend
 from mergeflow.preflight import config_dir_of
-from mergeflow.validation import ValidationReport, reference_dtype_choice
-from tasks.compare_checkpoint import compare_checkpoint
-from tasks.detect_world_size import detect_world_size
-from tasks.extract_lora import extract_lora
-from tasks.load_config import load_config
-from tasks.load_shards import load_shards
-from tasks.merge import merge
-from tasks.publish_report import publish_report
+from mergeflow.tasks.compare_checkpoint import compare_checkpoint
+from mergeflow.tasks.detect_world_size import detect_world_size
+from mergeflow.tasks.extract_lora import extract_lora
+from mergeflow.tasks.load_config import load_config
+from mergeflow.tasks.load_shards import load_shards
+from mergeflow.tasks.merge import merge
+from mergeflow.tasks.publish_report import publish_report
+from mergeflow.validation.validate import ValidationReport, reference_dtype_choice
 
 
 @flow(name="test-checkpoint")

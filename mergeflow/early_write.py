@@ -18,17 +18,12 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from mergeflow.config_files import CONFIG_FILE
 from mergeflow.errors import MergeflowError, OptionError
-from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec
+from mergeflow.formats.fsdp.index import ShardIndex
 from mergeflow.lora import LORA_ONLY_MARKERS
-from mergeflow.manifest import SavedModel
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE
-from mergeflow.output import staged_output
-from mergeflow.planning import MergePlan, plan_merge
-from mergeflow.run_layout import protected_paths
-from mergeflow.save import (
+from mergeflow.output.manifest import SavedModel
+from mergeflow.output.save import (
     PARTIAL_SUFFIX,
     ShardWriteStopped,
     relocated,
@@ -36,7 +31,12 @@ from mergeflow.save import (
     shard_marker,
     write_shard,
 )
-from mergeflow.spec_build import SpecBuild
+from mergeflow.output.staging import staged_output
+from mergeflow.planning import MergePlan, plan_merge
+from mergeflow.run_layout import protected_paths
+from mergeflow.spec.build import SpecBuild
+from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.spec.model_spec import ModelSpec
 from mergeflow.streaming import CHUNK_BYTES
 
 ADAPTER_MARKERS = (*LORA_ONLY_MARKERS, ".modules_to_save.")
@@ -213,7 +213,7 @@ def save_model_early(
     if holds_adapters(index):
         raise OptionError(
             f"checkpoint {index.checkpoint_dir} holds LoRA adapters, which save_model_early does not plan: "
-            "plan them with mergeflow.lora.plan_lora and save with mergeflow.save.save_model"
+            "plan them with mergeflow.lora.plan_lora and save with mergeflow.output.save.save_model"
         )
     target_dir = Path(target_dir).absolute()
     protected = protected_paths(index.checkpoint_dir, build.config_dir)

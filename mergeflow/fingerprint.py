@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow import __version__
-from mergeflow.manifest import file_listing
+from mergeflow.output.manifest import file_listing
 
 
 @dataclass(frozen=True)

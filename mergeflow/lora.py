@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mergeflow.errors import CheckpointError, OptionError, PlanError, quoted
-from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec, build_meta_model
+from mergeflow.formats.fsdp.index import ShardIndex
+from mergeflow.spec.model_spec import ModelSpec, build_meta_model
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -13,10 +13,10 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, parse_dtype_name
 from mergeflow.errors import OptionError, PlanError, quoted
-from mergeflow.fsdp import ShardIndex, SourceTensor
-from mergeflow.hf_config import ModelSpec, SavedView
+from mergeflow.formats.fsdp.index import ShardIndex, SourceTensor
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype
+from mergeflow.spec.model_spec import ModelSpec, SavedView
 
 if TYPE_CHECKING:
     from peft import LoraConfig

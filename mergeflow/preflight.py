@@ -8,13 +8,13 @@ again, with the rest, for callers that do not come through the CLI.
 
 from pathlib import Path
 
-from mergeflow.config_files import CONFIG_FILE, require_config
 from mergeflow.errors import CheckpointError
-from mergeflow.fsdp_layout import RankFiles, default_config_dir, find_rank_files
-from mergeflow.megatron_layout import MegatronLayout, find_megatron_checkpoint
+from mergeflow.formats.fsdp.layout import RankFiles, default_config_dir, find_rank_files
+from mergeflow.formats.megatron.layout import MegatronLayout, find_megatron_checkpoint
 from mergeflow.options import check_backend, check_repo_id, check_shard_size
-from mergeflow.output import check_overlap, check_target
+from mergeflow.output.staging import check_overlap, check_target
 from mergeflow.run_layout import Protected, protected_paths
+from mergeflow.spec.config_files import CONFIG_FILE, require_config
 
 REFERENCE_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 

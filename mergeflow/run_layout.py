@@ -6,9 +6,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow import fsdp_layout, megatron_layout
 from mergeflow.errors import CheckpointError
-from mergeflow.megatron_layout import find_megatron_checkpoint
+from mergeflow.formats.fsdp import layout as fsdp_layout
+from mergeflow.formats.megatron import layout as megatron_layout
+from mergeflow.formats.megatron.layout import find_megatron_checkpoint
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")

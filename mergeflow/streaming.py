@@ -15,8 +15,8 @@ from typing import TypeVar
 
 import torch
 
-from mergeflow.fsdp import SourceTensor
-from mergeflow.placement import Block
+from mergeflow.formats.fsdp.index import SourceTensor
+from mergeflow.formats.fsdp.placement import Block
 
 CHUNK_BYTES = 32 * 1024 * 1024
 PREFETCH_DEPTH = 2

@@ -12,10 +12,10 @@ meets is left for the pipeline to report, with its context.
 import threading
 from pathlib import Path
 
-from mergeflow.fsdp_layout import default_config_dir, find_rank_files
-from mergeflow.megatron_layout import find_megatron_checkpoint
-from mergeflow.read_ahead import start_read_ahead
-from mergeflow.spec_build import SpecBuild
+from mergeflow.formats.fsdp.layout import default_config_dir, find_rank_files
+from mergeflow.formats.megatron.layout import find_megatron_checkpoint
+from mergeflow.perf.read_ahead import start_read_ahead
+from mergeflow.spec.build import SpecBuild
 
 
 def start_warm_up(

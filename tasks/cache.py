@@ -11,7 +11,7 @@ from prefect.locking.filesystem import FileSystemLockManager
 from prefect.results import get_result_store
 from prefect.settings import get_current_settings
 
-from mergeflow.manifest import SavedModel
+from mergeflow.output.manifest import SavedModel
 
 
 class ProcessAwareLockManager(FileSystemLockManager):

@@ -3,11 +3,11 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec
-from mergeflow.merged_view import MergedCheckpoint
+from mergeflow.formats.fsdp.index import ShardIndex
 from mergeflow.planning import MergePlan
-from mergeflow.validation import ValidationReport, compare_to_reference
+from mergeflow.spec.model_spec import ModelSpec
+from mergeflow.validation.merged_view import MergedCheckpoint
+from mergeflow.validation.validate import ValidationReport, compare_to_reference
 
 
 @task(name="compare-checkpoint", cache_policy=NO_CACHE)

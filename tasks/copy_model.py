@@ -3,8 +3,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.copy_model import copy_model_folder
-from mergeflow.manifest import SavedModel
+from mergeflow.output.copy import copy_model_folder
+from mergeflow.output.manifest import SavedModel
 
 
 @task(name="copy-model", cache_policy=NO_CACHE)

@@ -1,8 +1,8 @@
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp_layout import RankFiles
-from mergeflow.megatron_layout import MegatronLayout
+from mergeflow.formats.fsdp.layout import RankFiles
+from mergeflow.formats.megatron.layout import MegatronLayout
 from mergeflow.preflight import find_checkpoint
 
 

@@ -1,11 +1,11 @@
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec
+from mergeflow.formats.fsdp.index import ShardIndex
 from mergeflow.lora import LoraPlan, plan_lora
 from mergeflow.options import DEFAULT_DTYPE
 from mergeflow.planning import AdapterPlan, plan_adapter
+from mergeflow.spec.model_spec import ModelSpec
 
 
 @task(name="extract-lora", cache_policy=NO_CACHE)

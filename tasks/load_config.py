@@ -3,8 +3,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp_layout import default_config_dir
-from mergeflow.hf_config import ModelSpec, load_model_spec
+from mergeflow.formats.fsdp.layout import default_config_dir
+from mergeflow.spec.model_spec import ModelSpec, load_model_spec
 
 
 @task(name="load-config", cache_policy=NO_CACHE)

@@ -1,11 +1,11 @@
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp import ShardIndex, index_shards
-from mergeflow.fsdp_layout import RankFiles
-from mergeflow.hf_config import ModelSpec
-from mergeflow.megatron import MegatronIndex, index_megatron
-from mergeflow.megatron_layout import MegatronLayout
+from mergeflow.formats.fsdp.index import ShardIndex, index_shards
+from mergeflow.formats.fsdp.layout import RankFiles
+from mergeflow.formats.megatron.index import MegatronIndex, index_megatron
+from mergeflow.formats.megatron.layout import MegatronLayout
+from mergeflow.spec.model_spec import ModelSpec
 
 
 @task(name="load-shards", cache_policy=NO_CACHE)

@@ -1,11 +1,11 @@
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec
+from mergeflow.formats.fsdp.index import ShardIndex
 from mergeflow.lora import LoraPlan
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE
 from mergeflow.planning import MergePlan, plan_merge
+from mergeflow.spec.model_spec import ModelSpec
 
 
 @task(name="merge", cache_policy=NO_CACHE)

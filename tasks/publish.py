@@ -5,10 +5,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.manifest import SavedModel, describe_files
-from mergeflow.output import publish as publish_folder
+from mergeflow.output.manifest import SavedModel, describe_files
+from mergeflow.output.save import relocated
+from mergeflow.output.staging import publish as publish_folder
 from mergeflow.run_layout import Protected
-from mergeflow.save import relocated
 
 
 @task(name="publish", cache_policy=NO_CACHE)

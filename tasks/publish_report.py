@@ -7,11 +7,11 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.fsdp import ShardIndex
+from mergeflow.formats.fsdp.index import ShardIndex
 from mergeflow.lora import LoraPlan, describe_lora
-from mergeflow.manifest import SavedModel
+from mergeflow.output.manifest import SavedModel
 from mergeflow.planning import MergePlan
-from mergeflow.validation import ValidationReport
+from mergeflow.validation.validate import ValidationReport
 
 KEY_PATH_PARTS = 3
 KEY_MAX_LENGTH = 90

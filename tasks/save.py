@@ -6,13 +6,13 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 
-from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec
-from mergeflow.manifest import SavedModel
+from mergeflow.formats.fsdp.index import ShardIndex
+from mergeflow.output.manifest import SavedModel
+from mergeflow.output.save import ShardWritten, describe_output, write_model_files
 from mergeflow.planning import AdapterPlan, MergePlan
-from mergeflow.save import ShardWritten, describe_output, write_model_files
-from tasks.publish_report import artifact_key
-from tasks.write_shard import write_shard
+from mergeflow.spec.model_spec import ModelSpec
+from mergeflow.tasks.publish_report import artifact_key
+from mergeflow.tasks.write_shard import write_shard
 
 
 @task(name="save", cache_policy=NO_CACHE)

@@ -8,7 +8,7 @@ from prefect.tasks import exponential_backoff
 
 from mergeflow.errors import UploadError
 from mergeflow.hub import UploadResult, upload_model
-from tasks.publish_report import artifact_key
+from mergeflow.tasks.publish_report import artifact_key
 
 UPLOAD_RETRIES = 6
 UPLOAD_RETRY_DELAY_SECONDS = 10.0

@@ -3,7 +3,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.validation import ValidationReport, validate_model_dir
+from mergeflow.validation.validate import ValidationReport, validate_model_dir
 
 
 @task(name="validate", cache_policy=NO_CACHE)

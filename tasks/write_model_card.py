@@ -3,7 +3,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.model_card import MergeFacts, write_model_card
+from mergeflow.output.model_card import MergeFacts, write_model_card
 
 
 @task(name="write-model-card", cache_policy=NO_CACHE)

@@ -4,10 +4,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
-from mergeflow.fsdp import ShardIndex
+from mergeflow.formats.fsdp.index import ShardIndex
+from mergeflow.output.save import ShardWritten
+from mergeflow.output.save import write_shard as write_shard_file
 from mergeflow.planning import MergePlan
-from mergeflow.save import ShardWritten
-from mergeflow.save import write_shard as write_shard_file
 
 
 @task(name="write-shard", cache_policy=NO_CACHE, task_run_name="write {filename}")

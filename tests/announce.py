@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prefect.events.worker import EventsWorker
 
-from deployments.watcher import announce, checkpoint_version
+from mergeflow.deployments.watcher import announce, checkpoint_version
 from mergeflow.run_layout import checkpoints_of_step
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-COMMAND = [sys.executable, "-m", "cli"]
+COMMAND = [sys.executable, "-m", "mergeflow"]
 
 
 @dataclass(frozen=True)

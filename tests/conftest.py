@@ -6,7 +6,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from mergeflow import spec_cache
+from mergeflow.spec import cache as spec_cache
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -16,8 +16,8 @@ os.environ[spec_cache.CACHE_DIR_VARIABLE] = tempfile.mkdtemp(prefix="mergeflow-c
 
 import pytest
 
-from mergeflow.fixtures.fsdp import Fixture, FixtureSpec, write_fixtures
-from mergeflow.fixtures.megatron import MegatronFixture, MegatronFixtureSpec, write_megatron_fixtures
+from mergeflow.testing.fsdp import Fixture, FixtureSpec, write_fixtures
+from mergeflow.testing.megatron import MegatronFixture, MegatronFixtureSpec, write_megatron_fixtures
 
 GENERATION_CONFIG = {
     "do_sample": True,

@@ -6,8 +6,8 @@ import signal
 import sys
 import threading
 
-import tasks.write_shard as write_shard_task
-from cli import main
+import mergeflow.tasks.write_shard as write_shard_task
+from mergeflow.cli import main
 
 _write = write_shard_task.write_shard_file
 _lock = threading.Lock()

@@ -6,14 +6,14 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from mergeflow.fsdp import index_shards
-from mergeflow.fsdp_layout import default_config_dir, find_rank_files
-from mergeflow.hf_config import load_model_spec
+from mergeflow.formats.fsdp.index import index_shards
+from mergeflow.formats.fsdp.layout import default_config_dir, find_rank_files
 from mergeflow.lora import plan_lora
-from mergeflow.manifest import SavedModel
+from mergeflow.output.manifest import SavedModel
+from mergeflow.output.save import save_model
+from mergeflow.perf.read_ahead import read_ahead
 from mergeflow.planning import plan_adapter, plan_merge
-from mergeflow.read_ahead import read_ahead
-from mergeflow.save import save_model
+from mergeflow.spec.model_spec import load_model_spec
 from mergeflow.streaming import CHUNK_BYTES
 
 INPUT_IDS = torch.tensor([[2, 5, 7, 11, 13, 17, 19, 23, 29, 31]])

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed.tensor  # the rank files hold DTensors
 
-from cli import EXIT_BAD_INPUT, main
+from mergeflow.cli import EXIT_BAD_INPUT, main
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

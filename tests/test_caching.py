@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 import pytest
 import torch
 
-from flows.merge import merge_checkpoint
 from mergeflow.errors import OutputError
+from mergeflow.flows.merge import merge_checkpoint
 from tests.merging import load_weights
 from tests.prefect_runs import subprocess_env, task_runs_named, task_runs_of
 
@@ -135,7 +135,7 @@ def test_a_target_this_merge_did_not_write_is_still_refused(fixtures, target_dir
 def test_concurrent_runs_on_the_same_checkpoint_merge_once(fixtures, tmp_path):
     target_dir = tmp_path / "concurrent"
     command = [
-        sys.executable, "-m", "cli", "merge", "--no-progress",
+        sys.executable, "-m", "mergeflow", "merge", "--no-progress",
         "--local_dir", str(fixtures["qwen2-ws2"].checkpoint_dir), "--target_dir", str(target_dir),
     ]  # fmt: skip
     started = datetime.now(timezone.utc)

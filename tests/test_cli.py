@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cli import build_parser, main
+from mergeflow.cli import build_parser, main
 from tests.merging import load_weights
 
 

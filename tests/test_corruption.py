@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import EXIT_BAD_INPUT
-from mergeflow.dcp import _FileWindow, read_metadata
+from mergeflow.cli import EXIT_BAD_INPUT
 from mergeflow.errors import CheckpointError
-from mergeflow.megatron_layout import find_megatron_checkpoint
-from mergeflow.rank_pickle import read_rank_pickle
+from mergeflow.formats.fsdp.rank_pickle import read_rank_pickle
+from mergeflow.formats.megatron.dcp import _FileWindow, read_metadata
+from mergeflow.formats.megatron.layout import find_megatron_checkpoint
 from tests.cli_runs import run_cli
 from tests.merging import load_weights, merge_with_engine
 
@@ -135,10 +135,10 @@ def test_a_byte_flipped_anywhere_gives_the_clean_model_or_an_error_naming_the_fi
 
 
 def test_a_flipped_byte_in_a_megatron_chunk_is_an_error_naming_the_file(megatron_fixtures, tmp_path):
-    from mergeflow.hf_config import load_model_spec
-    from mergeflow.megatron import index_megatron
+    from mergeflow.formats.megatron.index import index_megatron
+    from mergeflow.output.save import save_model
     from mergeflow.planning import plan_merge
-    from mergeflow.save import save_model
+    from mergeflow.spec.model_spec import load_model_spec
 
     source = megatron_fixtures["megatron-qwen2-tp1"]
     checkpoint = tmp_path / "actor"

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from flows.merge import merge_checkpoint
-from flows.task_runners import task_runner_from
 from mergeflow.errors import OptionError
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.flows.task_runners import task_runner_from
 
 SHARD_SIZE = "12KB"
 

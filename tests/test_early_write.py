@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from flows.merge import merge_checkpoint
-from mergeflow import spec_cache
 from mergeflow.early_write import EarlyWrite, early_write, guessed_plan, save_model_early
 from mergeflow.errors import OptionError, PlanError
-from mergeflow.fsdp import index_shards
-from mergeflow.fsdp_layout import default_config_dir, find_rank_files
-from mergeflow.hf_config import load_model_spec
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.formats.fsdp.index import index_shards
+from mergeflow.formats.fsdp.layout import default_config_dir, find_rank_files
+from mergeflow.output.save import write_shard, write_weights
 from mergeflow.planning import plan_merge
-from mergeflow.save import write_shard, write_weights
-from mergeflow.spec_build import SpecBuild
+from mergeflow.spec import cache as spec_cache
+from mergeflow.spec.build import SpecBuild
+from mergeflow.spec.model_spec import load_model_spec
 from tests.merging import merge_with_engine
 
 SMALL_SHARDS = "8KB"

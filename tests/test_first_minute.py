@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cli import EXIT_BAD_INPUT, build_parser
+from mergeflow.cli import EXIT_BAD_INPUT, build_parser
 from tests.cli_runs import run_cli
 from tests.prefect_runs import subprocess_env
 
@@ -87,7 +87,7 @@ def test_an_early_mistake_exits_2_at_once_with_one_line(fixtures, tmp_path, mist
 def test_the_early_checks_import_neither_torch_nor_prefect(fixtures, tmp_path):
     code = (
         "import sys\n"
-        "from cli import build_parser, check_arguments\n"
+        "from mergeflow.cli import build_parser, check_arguments\n"
         "check_arguments(build_parser().parse_args(['merge', '--local_dir', sys.argv[1], '--target_dir', sys.argv[2]]))\n"
         "print(sorted(name for name in ('torch', 'prefect', 'transformers') if name in sys.modules))\n"
     )
@@ -161,7 +161,7 @@ def test_merge_help_states_verls_default_target():
 
 @pytest.mark.usefixtures("prefect_server")
 def test_the_model_card_has_the_permissions_of_the_other_files(fixtures, tmp_path):
-    from flows.merge import merge_checkpoint
+    from mergeflow.flows.merge import merge_checkpoint
 
     saved = merge_checkpoint(
         local_dir=str(fixtures["qwen2-ws2"].checkpoint_dir), target_dir=str(tmp_path / "out"), progress=False

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flows.merge import merge_checkpoint
+from mergeflow.flows.merge import merge_checkpoint
 from tests.prefect_runs import task_runs_of
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

@@ -9,9 +9,9 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from mergeflow.errors import CheckpointError, OptionError
-from mergeflow.fixtures.models import tiny_config
 from mergeflow.lora import infer_lora_config
-from mergeflow.validation import validate_model_dir
+from mergeflow.testing.models import tiny_config
+from mergeflow.validation.validate import validate_model_dir
 from tests.merging import INPUT_IDS, load_weights, merge_with_engine, model_class
 
 ADAPTER_FIXTURES = ["lora-ws2", "dora-llama-ws3", "lora-value-ws2", "lora-moe-ws2", "lora-vl-ws2"]
@@ -224,7 +224,7 @@ class TestInferLoraConfig:
 
 @pytest.mark.usefixtures("prefect_server")
 def test_test_operation_compares_the_base_of_a_lora_checkpoint_with_its_reference(fixtures):
-    from flows.verify import verify_checkpoint
+    from mergeflow.flows.verify import verify_checkpoint
 
     fixture = fixtures["lora-ws2"]
     report = verify_checkpoint(local_dir=str(fixture.checkpoint_dir), test_hf_dir=str(fixture.reference_dir))

@@ -12,18 +12,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 
-import mergeflow.dcp
-import mergeflow.megatron
-from flows.merge import merge_checkpoint
-from mergeflow.dcp import read_metadata, read_slice
+import mergeflow.formats.megatron.dcp
+import mergeflow.formats.megatron.index
 from mergeflow.errors import CheckpointError, PlanError
-from mergeflow.fixtures.megatron import LOGITS_INPUT_IDS
-from mergeflow.hf_config import load_model_spec
-from mergeflow.megatron import index_megatron
-from mergeflow.megatron_layout import find_megatron_checkpoint
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.formats.megatron.dcp import read_metadata, read_slice
+from mergeflow.formats.megatron.index import index_megatron
+from mergeflow.formats.megatron.layout import find_megatron_checkpoint
+from mergeflow.output.save import save_model
 from mergeflow.planning import plan_merge
-from mergeflow.save import save_model
-from mergeflow.validation import validate_model_dir
+from mergeflow.spec.model_spec import load_model_spec
+from mergeflow.testing.megatron import LOGITS_INPUT_IDS
+from mergeflow.validation.validate import validate_model_dir
 from tests.conftest import MEGATRON_FIXTURE_NAMES, MEGATRON_FIXTURE_SPECS
 from tests.merging import load_weights, logits, model_class
 
@@ -138,9 +138,9 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
 
 
 def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
-    table = dict(mergeflow.megatron.HF_FROM_MEGATRON)
+    table = dict(mergeflow.formats.megatron.index.HF_FROM_MEGATRON)
     del table["decoder.layers.{layer}.mlp.linear_fc2.weight"]
-    monkeypatch.setattr(mergeflow.megatron, "HF_FROM_MEGATRON", table)
+    monkeypatch.setattr(mergeflow.formats.megatron.index, "HF_FROM_MEGATRON", table)
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir)
 
     with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2 .*"decoder.layers.mlp.linear_fc2.weight"'):
@@ -148,9 +148,9 @@ def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatc
 
 
 def test_an_unmapped_expert_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
-    moe_table = dict(mergeflow.megatron.QWEN_MOE)
+    moe_table = dict(mergeflow.formats.megatron.index.QWEN_MOE)
     del moe_table["decoder.layers.{layer}.mlp.shared_experts.gate_weight"]
-    monkeypatch.setitem(mergeflow.megatron.TABLES_BY_MODEL_TYPE, "qwen2_moe", moe_table)
+    monkeypatch.setitem(mergeflow.formats.megatron.index.TABLES_BY_MODEL_TYPE, "qwen2_moe", moe_table)
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2moe-ep2"].checkpoint_dir)
 
     with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2_moe .*"decoder.layers.1.mlp.shared_experts.gate_weight"'):
@@ -198,17 +198,20 @@ def test_metadata_that_asks_for_code_is_refused_without_running_it(tmp_path):
     (archive / ".metadata").write_bytes(pickle.dumps(Exploit()))
 
     with pytest.raises(CheckpointError, match=r"refusing to load global subprocess\.call"):
-        mergeflow.dcp.read_metadata(archive)
+        mergeflow.formats.megatron.dcp.read_metadata(archive)
     assert not (tmp_path / "pwned").exists()
 
 
 def test_the_engine_never_imports_megatron_core():
-    code = "import sys, cli, flows.merge, flows.verify, mergeflow.megatron; print('megatron' in sys.modules)"
+    code = (
+        "import sys, mergeflow.cli, mergeflow.flows.merge, mergeflow.flows.verify, mergeflow.formats.megatron.index;"
+        "print(sorted(m for m in ('megatron', 'mergeflow.testing') if m in sys.modules))"
+    )
 
     imported = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
 
-    assert imported.stdout.strip() == "False"
-    sources = [p for folder in ("mergeflow", "tasks", "flows") for p in (REPO_ROOT / folder).rglob("*.py") if "fixtures" not in p.parts]
+    assert imported.stdout.strip() == "[]"
+    sources = [p for folder in ("mergeflow", "tasks", "flows") for p in (REPO_ROOT / folder).rglob("*.py") if "testing" not in p.parts]
     assert not [p for p in sources if "import megatron" in p.read_text() or "from megatron" in p.read_text()]
 
 

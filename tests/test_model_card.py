@@ -3,7 +3,7 @@
 import pytest
 from huggingface_hub import ModelCard
 
-from flows.merge import merge_checkpoint
+from mergeflow.flows.merge import merge_checkpoint
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from cli import EXIT_BAD_INPUT, main
+from mergeflow.cli import EXIT_BAD_INPUT, main
 from mergeflow.errors import OutputError
-from mergeflow.output import STAGING_PREFIX, staged_output
+from mergeflow.output.staging import STAGING_PREFIX, staged_output
 from tests.merging import merge_with_engine
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -60,7 +60,7 @@ def test_failed_merge_leaves_the_target_as_it_was(fixtures, target_dir, monkeypa
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("mergeflow.save.copy_side_files", disk_full)
+    monkeypatch.setattr("mergeflow.output.save.copy_side_files", disk_full)
 
     with pytest.raises(OSError, match="No space left"):
         merge_with_engine(fixtures["qwen2-ws2"].checkpoint_dir, target_dir, overwrite=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mergeflow.placement import Block, chunk_bounds, covers_exactly, local_block, unique_blocks
+from mergeflow.formats.fsdp.placement import Block, chunk_bounds, covers_exactly, local_block, unique_blocks
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,10 @@
 import pytest
 
 from mergeflow.errors import OptionError, PlanError
-from mergeflow.fsdp import ShardIndex, SourceTensor
-from mergeflow.hf_config import ModelSpec, SavedView
-from mergeflow.placement import Block
+from mergeflow.formats.fsdp.index import ShardIndex, SourceTensor
+from mergeflow.formats.fsdp.placement import Block
 from mergeflow.planning import plan_merge
+from mergeflow.spec.model_spec import ModelSpec, SavedView
 
 
 def index_of(shapes: dict[str, tuple[int, ...]], dtype: str = "float32") -> ShardIndex:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from mergeflow.fsdp import load_rank_state
-from mergeflow.pages import in_page_cache, uncached_ranges
-from mergeflow.placement import REPLICATE, shard
-from mergeflow.rank_pickle import read_rank_pickle, tensor_file_offsets
-from mergeflow.rank_reader import RankReader
+from mergeflow.formats.fsdp.index import load_rank_state
+from mergeflow.formats.fsdp.placement import REPLICATE, shard
+from mergeflow.formats.fsdp.rank_pickle import read_rank_pickle, tensor_file_offsets
+from mergeflow.formats.fsdp.reader import RankReader
+from mergeflow.perf.pages import in_page_cache, uncached_ranges
 
 
 def evict(path) -> None:

@@ -7,9 +7,9 @@ import threading
 import time
 from pathlib import Path
 
-from mergeflow import pages
-from mergeflow import read_ahead as read_ahead_module
-from mergeflow.read_ahead import read_ahead, start_read_ahead, stop_read_ahead
+from mergeflow.perf import pages
+from mergeflow.perf import read_ahead as read_ahead_module
+from mergeflow.perf.read_ahead import read_ahead, start_read_ahead, stop_read_ahead
 
 FILE_BYTES = 8 * 1024 * 1024
 WAIT_SECONDS = 10

@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 
-from mergeflow.record_check import RecordCheck, RecordCorrupt, StoredRecord, crc32_combine
+from mergeflow.formats.record_check import RecordCheck, RecordCorrupt, StoredRecord, crc32_combine
 
 DATA = random.Random(0).randbytes(100_000)
 OFFSET = 123

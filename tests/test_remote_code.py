@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cli import EXIT_BAD_INPUT, main
-from mergeflow.fixtures.remote_code import remote_code_files
+from mergeflow.cli import EXIT_BAD_INPUT, main
+from mergeflow.testing.remote_code import remote_code_files
 from tests.merging import INPUT_IDS, load_weights
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

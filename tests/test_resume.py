@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from flows.merge import merge_checkpoint
-from mergeflow.output import STAGING_PREFIX
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.output.staging import STAGING_PREFIX
 from tests.merging import merge_with_engine
 from tests.prefect_runs import subprocess_env
 

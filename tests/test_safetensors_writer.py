@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mergeflow.dtypes import dtype_name
-from mergeflow.safetensors_writer import AlignedFile, SafetensorsWriter, TensorEntry
+from mergeflow.output.writer import AlignedFile, SafetensorsWriter, TensorEntry
 
 TENSORS = {
     "a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),

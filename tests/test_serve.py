@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, TaskRunFilterName
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from mergeflow.validation import validate_model_dir
+from mergeflow.validation.validate import validate_model_dir
 from tests.run_dirs import save_step
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,7 @@ def served(fixtures, tmp_path_factory):
     try:
         wait_until(lambda: healthy(api_url), STARTUP_SECONDS, "the Prefect server")
         serve = subprocess.Popen(
-            [sys.executable, "-m", "cli", "serve", "--watch", str(run_dir), "--watch", str(base / EARLIER_RUN),
+            [sys.executable, "-m", "mergeflow", "serve", "--watch", str(run_dir), "--watch", str(base / EARLIER_RUN),
              "--output", str(output_dir)],
             env=env, stdout=open(logs / "serve.log", "w"), stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-from mergeflow import spec_cache
 from mergeflow.errors import CheckpointError
-from mergeflow.fsdp_layout import default_config_dir
-from mergeflow.hf_config import load_model_spec
-from mergeflow.spec_build import SpecBuild
+from mergeflow.formats.fsdp.layout import default_config_dir
+from mergeflow.spec import cache as spec_cache
+from mergeflow.spec.build import SpecBuild
+from mergeflow.spec.model_spec import load_model_spec
 
 
 @pytest.fixture
@@ -52,6 +52,6 @@ def test_a_spec_the_child_cannot_build_is_reported_with_the_config_file(tmp_path
 
 
 def test_the_spec_build_starts_without_importing_torch():
-    check = "import sys, mergeflow.spec_build; sys.exit('torch' in sys.modules)"
+    check = "import sys, mergeflow.spec.build; sys.exit('torch' in sys.modules)"
 
     assert subprocess.run([sys.executable, "-c", check], check=False).returncode == 0

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mergeflow import spec_cache
-from mergeflow.hf_config import load_model_spec
+from mergeflow.spec import cache as spec_cache
+from mergeflow.spec.model_spec import load_model_spec
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_spec_read_from_the_cache_equals_the_built_one(config_dir, empty_cache):
 def test_cached_spec_is_read_without_importing_transformers(config_dir, empty_cache):
     load_model_spec(config_dir)
     script = (
-        "import sys; from mergeflow.hf_config import load_model_spec; "
+        "import sys; from mergeflow.spec.model_spec import load_model_spec; "
         f"load_model_spec({str(config_dir)!r}); print('transformers' in sys.modules)"
     )
 

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from mergeflow.fsdp import SourceTensor
-from mergeflow.placement import Block
+from mergeflow.formats.fsdp.index import SourceTensor
+from mergeflow.formats.fsdp.placement import Block
 from mergeflow.streaming import assemble_rows, prefetched, row_ranges
 from tests.merging import load_weights, merge_with_engine
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from flows.merge import merge_checkpoint
-from flows.sweep import sweep_checkpoints
 from mergeflow.errors import MergeflowError
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.flows.sweep import sweep_checkpoints
 from tests.run_dirs import save_step
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

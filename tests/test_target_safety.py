@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from cli import EXIT_BAD_INPUT
-from flows.merge import merge_checkpoint
+from mergeflow.cli import EXIT_BAD_INPUT
 from mergeflow.errors import OutputError
-from mergeflow.fixtures.fsdp import Fixture
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.testing.fsdp import Fixture
 from tests.cli_runs import run_cli
 
 CHECKPOINT = "qwen2-ws2"

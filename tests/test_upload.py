@@ -10,9 +10,9 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
-from flows.merge import merge_checkpoint
 from mergeflow.errors import OptionError, UploadError
-from mergeflow.validation import validate_model_dir
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.validation.validate import validate_model_dir
 from tests.hub_server import FakeHub, Fault
 from tests.prefect_runs import API_WAIT_SECONDS
 

@@ -11,10 +11,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from safetensors.torch import load_file, save_file
 
-from cli import EXIT_VALIDATION_FAILED, main
-from flows.merge import merge_checkpoint
-from mergeflow.validation import validate_model_dir
-from tasks.publish_report import artifact_key
+from mergeflow.cli import EXIT_VALIDATION_FAILED, main
+from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.tasks.publish_report import artifact_key
+from mergeflow.validation.validate import validate_model_dir
 from tests.merging import merge_with_engine
 from tests.prefect_runs import API_WAIT_SECONDS
 

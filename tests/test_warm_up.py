@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from mergeflow import spec_cache
-from mergeflow.fsdp_layout import default_config_dir
+from mergeflow.formats.fsdp.layout import default_config_dir
+from mergeflow.spec import cache as spec_cache
 from mergeflow.warm_up import start_warm_up
 
 OPTIONS = {"trust_remote_code": False, "is_value_model": False}

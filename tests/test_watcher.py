@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from deployments.watcher import CheckpointWatcher, event_id
+from mergeflow.deployments.watcher import CheckpointWatcher, event_id
 from mergeflow.run_layout import TRACKER_FILE
 from tests.run_dirs import save_step
 

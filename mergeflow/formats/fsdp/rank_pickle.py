@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.placement import REPLICATE, shard
-from mergeflow.record_check import StoredRecord
+from mergeflow.formats.fsdp.placement import REPLICATE, shard
+from mergeflow.formats.record_check import StoredRecord
 
 DATA_PICKLE = "data.pkl"
 DATA_RECORD_DIR = "data"

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from mergeflow.dtypes import dtype_name
-from mergeflow.manifest import SavedModel, describe_files
-from mergeflow.model_folder import SafetensorsFolder, dominant_floating_dtype, nbytes
+from mergeflow.output.manifest import SavedModel, describe_files
+from mergeflow.validation.model_folder import SafetensorsFolder, dominant_floating_dtype, nbytes
 
 
 def copy_model_folder(source_dir: Path, output_dir: Path) -> SavedModel:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import CheckpointError
-from mergeflow.megatron_layout import METADATA_FILE
+from mergeflow.formats.megatron.layout import METADATA_FILE
 
 DCP_ALLOWED_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {

@@ -4,10 +4,10 @@ from collections import Counter
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.fsdp import ShardIndex, index_shards
-from mergeflow.fsdp_layout import default_config_dir, find_rank_files
-from mergeflow.hf_config import ModelSpec, load_model_spec
+from mergeflow.formats.fsdp.index import ShardIndex, index_shards
+from mergeflow.formats.fsdp.layout import default_config_dir, find_rank_files
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, read_train_meta
+from mergeflow.spec.model_spec import ModelSpec, load_model_spec
 
 
 def describe_checkpoint(

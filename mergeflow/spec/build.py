@@ -6,7 +6,7 @@ into the spec cache while this process imports torch and reads the shards; a loo
 here (`load_model_spec`) waits for that child instead of building it again. When the child fails, the
 lookup builds the spec itself and reports the problem with its context. This module imports no torch.
 
-    python -m mergeflow.spec_build CONFIG_DIR [--trust-remote-code] [--value-model]
+    python -m mergeflow.spec.build CONFIG_DIR [--trust-remote-code] [--value-model]
 """
 
 import argparse
@@ -17,10 +17,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mergeflow import spec_cache
+from mergeflow.spec import cache as spec_cache
 
 if TYPE_CHECKING:
-    from mergeflow.hf_config import ModelSpec
+    from mergeflow.spec.model_spec import ModelSpec
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +71,8 @@ class SpecBuild:
         spec_cache.built_elsewhere(self._key)
 
     def spec(self, *, tie_word_embedding: bool = False) -> "ModelSpec":
-        """The built spec (`mergeflow.hf_config.load_model_spec`, which waits for the child)."""
-        from mergeflow.hf_config import load_model_spec  # imports torch
+        """The built spec (`mergeflow.spec.model_spec.load_model_spec`, which waits for the child)."""
+        from mergeflow.spec.model_spec import load_model_spec  # imports torch
 
         return load_model_spec(
             self.config_dir,
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args(argv)
     os.nice(CHILD_NICENESS)
-    from mergeflow.hf_config import load_model_spec
+    from mergeflow.spec.model_spec import load_model_spec
 
     load_model_spec(
         args.config_dir, trust_remote_code=args.trust_remote_code, is_value_model=args.value_model

@@ -7,10 +7,10 @@ rows at a time instead of the whole merged model in memory.
 import torch
 
 from mergeflow.dtypes import parse_dtype_name
-from mergeflow.fsdp import ShardIndex
-from mergeflow.materialize import open_tensors
-from mergeflow.model_folder import TensorInfo
+from mergeflow.formats.fsdp.index import ShardIndex
+from mergeflow.output.materialize import open_tensors
 from mergeflow.planning import MergePlan
+from mergeflow.validation.model_folder import TensorInfo
 
 
 class MergedCheckpoint:

@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import torch
 
-from mergeflow import pages
 from mergeflow.errors import CheckpointError, quoted
-from mergeflow.fsdp import CORRUPT_HINT, take_or_load
-from mergeflow.placement import Block
-from mergeflow.rank_pickle import RankTensor
-from mergeflow.record_check import RecordCheck, RecordCorrupt
+from mergeflow.formats.fsdp.index import CORRUPT_HINT, take_or_load
+from mergeflow.formats.fsdp.placement import Block
+from mergeflow.formats.fsdp.rank_pickle import RankTensor
+from mergeflow.formats.record_check import RecordCheck, RecordCorrupt
+from mergeflow.perf import pages
 
 ALIGNMENT = 4096
 STAGING_BYTES = 16 * 1024 * 1024

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from mergeflow.output import FILE_MODE
+from mergeflow.output.staging import FILE_MODE
 
 MODEL_CARD_FILE = "README.md"
 TAGS = ["verl", "mergeflow"]

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import torch
 
 from mergeflow.dtypes import parse_dtype_name
-from mergeflow.fsdp import ShardIndex, SourceTensor
+from mergeflow.formats.fsdp.index import ShardIndex, SourceTensor
+from mergeflow.formats.fsdp.reader import RankReader
 from mergeflow.lora import LoraFold
 from mergeflow.planning import OutputTensor
-from mergeflow.rank_reader import RankReader
 from mergeflow.streaming import CHUNK_BYTES, assemble_rows, row_ranges, tensor_chunks
 
 FOLD_DTYPE = torch.float32
@@ -127,6 +127,6 @@ class FsdpTensors:
 
 def open_tensors(index):
     """The reader of planned tensors for the checkpoint's backend (FSDP rank files or a Megatron archive)."""
-    from mergeflow.megatron import MegatronIndex, MegatronTensors
+    from mergeflow.formats.megatron.index import MegatronIndex, MegatronTensors
 
     return MegatronTensors(index) if isinstance(index, MegatronIndex) else FsdpTensors(index)

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mergeflow.config_files import CONFIG_FILE
 from mergeflow.dtypes import SAFETENSORS_CODES
 from mergeflow.errors import CheckpointError
 from mergeflow.lora import ADAPTER_CONFIG_FILE, ADAPTER_SUBDIR, ADAPTER_WEIGHTS_FILE, lora_tensor_names
+from mergeflow.spec.config_files import CONFIG_FILE
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

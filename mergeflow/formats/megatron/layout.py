@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.fsdp_layout import HF_SUBDIR, ROLE_SUBDIRS
+from mergeflow.formats.fsdp.layout import HF_SUBDIR, ROLE_SUBDIRS
 
 METADATA_FILE = ".metadata"
 """The torch_dist archive's index (PyTorch DCP)."""

@@ -283,8 +283,8 @@ def run_merge(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         is_value_model=args.is_value_model,
     )
-    from flows.merge import merge_checkpoint
-    from flows.task_runners import task_runner_from
+    from mergeflow.flows.merge import merge_checkpoint
+    from mergeflow.flows.task_runners import task_runner_from
 
     flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
     saved = flow(
@@ -318,7 +318,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_test(args: argparse.Namespace) -> int:
-    from flows.verify import verify_checkpoint
+    from mergeflow.flows.verify import verify_checkpoint
 
     report = verify_checkpoint(
         local_dir=args.local_dir,
@@ -337,7 +337,7 @@ def run_test(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from flows.validate import validate_folder
+    from mergeflow.flows.validate import validate_folder
 
     report = validate_folder(
         target_dir=args.target_dir,
@@ -350,7 +350,7 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from mergeflow.summary import describe_checkpoint, format_description
+    from mergeflow.describe import describe_checkpoint, format_description
 
     description = describe_checkpoint(
         Path(args.local_dir),
@@ -362,7 +362,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from flows.demo import run_demo as demo
+    from mergeflow.flows.demo import run_demo as demo
 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="mergeflow-demo-"))
     matches = demo(workdir)
@@ -376,7 +376,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_watch(args: argparse.Namespace) -> int:
     import time
 
-    from deployments.watcher import watching
+    from mergeflow.deployments.watcher import watching
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     with watching(args.run_dirs):
@@ -388,7 +388,7 @@ def run_watch(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from deployments.serve import ServeOptions, serve_forever
+    from mergeflow.deployments.serve import ServeOptions, serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     serve_forever(
@@ -408,7 +408,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from flows.sweep import sweep_checkpoints
+    from mergeflow.flows.sweep import sweep_checkpoints
 
     merged = sweep_checkpoints(
         run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
@@ -439,7 +439,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     Raises:
         MergeflowError: the first mistake found.
     """
-    from flows.task_runners import parse_task_runner
+    from mergeflow.flows.task_runners import parse_task_runner
 
     if args.command == "merge":
         preflight.check_merge(

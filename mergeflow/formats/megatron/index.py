@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.dtypes import dtype_name, parse_dtype_name
 from mergeflow.errors import CheckpointError, PlanError, quoted
-from mergeflow.hf_config import ModelSpec, load_config
-from mergeflow.megatron_layout import MegatronLayout
+from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
+from mergeflow.formats.megatron.layout import MegatronLayout
+from mergeflow.spec.model_spec import ModelSpec, load_config
 
 LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
 """A decoder-layer key: stacked (no index, layers on the first axis) or one layer's (`decoder.layers.3.`)."""

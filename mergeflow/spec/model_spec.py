@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mergeflow import spec_cache
-from mergeflow.config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, require_config
 from mergeflow.errors import CheckpointError
+from mergeflow.spec import cache as spec_cache
+from mergeflow.spec.config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, require_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

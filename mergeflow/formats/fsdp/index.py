@@ -19,9 +19,16 @@ import torch
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.errors import CheckpointError, quoted
-from mergeflow.fsdp_layout import RankFiles
-from mergeflow.placement import REPLICATE, Block, covers_exactly, local_block, shard, unique_blocks
-from mergeflow.rank_pickle import (
+from mergeflow.formats.fsdp.layout import RankFiles
+from mergeflow.formats.fsdp.placement import (
+    REPLICATE,
+    Block,
+    covers_exactly,
+    local_block,
+    shard,
+    unique_blocks,
+)
+from mergeflow.formats.fsdp.rank_pickle import (
     MeshPosition,
     RankTensor,
     UnknownPickle,

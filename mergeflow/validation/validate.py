@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from mergeflow.config_files import CONFIG_FILE
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
-from mergeflow.hf_config import load_model_spec
 from mergeflow.lora import ADAPTER_SUBDIR
-from mergeflow.model_folder import (
+from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.spec.model_spec import load_model_spec
+from mergeflow.streaming import CHUNK_BYTES, row_ranges
+from mergeflow.validation.model_folder import (
     SafetensorsFolder,
     TensorInfo,
     completeness_problems,
@@ -27,7 +28,6 @@ from mergeflow.model_folder import (
     open_model_folder,
     weight_counts,
 )
-from mergeflow.streaming import CHUNK_BYTES, row_ranges
 
 LOGITS_TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 1e-5,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.dtypes import SAFETENSORS_CODES, parse_dtype_name
-from mergeflow.output import FILE_MODE
+from mergeflow.output.staging import FILE_MODE
 
 HEADER_ALIGNMENT = 8
 DIRECT_ALIGNMENT = 4096

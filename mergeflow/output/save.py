@@ -16,15 +16,15 @@ import torch
 from tqdm.auto import tqdm
 
 from mergeflow.dtypes import parse_dtype_name
-from mergeflow.fsdp import ShardIndex
-from mergeflow.hf_config import ModelSpec, copy_side_files, write_config, write_generation_config
+from mergeflow.formats.fsdp.index import ShardIndex
 from mergeflow.lora import ADAPTER_SUBDIR
-from mergeflow.manifest import SavedModel, describe_files
-from mergeflow.materialize import open_tensors
-from mergeflow.output import staged_output
+from mergeflow.output.manifest import SavedModel, describe_files
+from mergeflow.output.materialize import open_tensors
+from mergeflow.output.staging import staged_output
+from mergeflow.output.writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
 from mergeflow.run_layout import protected_paths
-from mergeflow.safetensors_writer import SafetensorsWriter, TensorEntry, build_header
+from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, write_generation_config
 from mergeflow.streaming import CHUNK_BYTES, prefetched
 
 DONE_SUFFIX = ".done"
@@ -60,7 +60,7 @@ def save_model(
     """Write the merged model to `target_dir`: weights, index, config, generation config and side files,
     and the LoRA adapter in `lora_adapter/` when given. With no `plan` (a LoRA-only checkpoint) only
     the adapter is written. A target that overlaps the checkpoint or its config is refused
-    (`mergeflow.output.check_target`).
+    (`mergeflow.output.staging.check_target`).
 
     `chunk_bytes` bounds each assembled block of rows, and so the merge's memory.
     """
