@@ -1,13 +1,22 @@
-"""Run one merge in this process and print its measurements as JSON (the bench runs each in a fresh child).
+"""Run one merge and print its measurements as JSON (the bench runs each in a fresh child).
 
-    python -m bench.job mergeflow|verl CHECKPOINT_DIR TARGET_DIR
+    python -m bench.job mergeflow|mergeflow-no-crc|cli|verl CHECKPOINT_DIR TARGET_DIR
+
+`mergeflow` is the engine alone (`MergeJob`, no Prefect); `mergeflow-no-crc` the same with the CRC-32 checks
+turned off (to measure what they cost; the product has no such switch); `cli` is `mergeflow merge` end to
+end in a child process, with Prefect, against PREFECT_API_URL when the environment sets it (a running
+server) or with the temporary server the command starts itself.
 
 Peak RSS is this process's `VmHWM` (not `ru_maxrss`, which Linux carries over from the parent through
 fork and exec, so a child of a large bench process would report the parent's size); bytes read and written are the storage-layer counters of
 /proc/self/io (page-cache hits read nothing), with `rchar`/`wchar` for bytes passed through syscalls.
 """
 
+import datetime
 import json
+import os
+import resource
+import subprocess
 import sys
 import threading
 import time
@@ -18,23 +27,54 @@ VERL_PACKAGE = "verl"
 
 
 def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
-    """The merge flow's engine steps, as `mergeflow merge` starts them: the read-ahead and the spec's build (a
-    child process) begin before the imports that need torch; the read-ahead ends when the merge starts
-    reading for itself, and the shards are written while the spec is built (`mergeflow.early_write`)."""
-    from mergeflow.formats.fsdp.layout import default_config_dir, find_rank_files
-    from mergeflow.perf.read_ahead import start_read_ahead, stop_read_ahead
-    from mergeflow.spec.build import SpecBuild
+    """The engine's merge, as `mergeflow merge` starts it: the read-ahead and a new config's spec build begin
+    before the imports that need torch (`MergeJob.warm_up`), then the steps run without Prefect."""
+    from mergeflow.job import MergeJob
 
-    rank_files = find_rank_files(checkpoint_dir)
-    start_read_ahead(rank_files.data_files)
-    build = SpecBuild(default_config_dir(checkpoint_dir))
+    job = MergeJob(checkpoint_dir, target_dir)
+    job.warm_up()
+    job.run()
 
-    from mergeflow.early_write import save_model_early
-    from mergeflow.formats.fsdp.index import index_shards
 
-    stop_read_ahead(rank_files.data_files)  # from here on the merge reads for itself
-    index = index_shards(rank_files)
-    save_model_early(index, build, target_dir, dtype="bf16", progress=False)
+def merge_without_crc(checkpoint_dir: Path, target_dir: Path) -> None:
+    """The engine's merge with the checkpoint's CRC-32s left unchecked: the cost of the checks, by difference."""
+    from mergeflow.formats.record_check import RecordCheck
+
+    RecordCheck.add = lambda self, file_offset, data: None
+    RecordCheck.finish = lambda self, read: None
+    merge_with_mergeflow(checkpoint_dir, target_dir)
+
+
+def merge_with_cli(checkpoint_dir: Path, target_dir: Path) -> dict:
+    """`mergeflow merge` as users run it; the split of its time from its log: until the flow run begins
+    (imports, and the temporary server's start where there is one), the flow run, and the end."""
+    started = time.time()
+    done = subprocess.run(
+        [sys.executable, "-m", "mergeflow", "merge", "--no-progress", "--local_dir", str(checkpoint_dir), "--target_dir", str(target_dir)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"mergeflow merge failed:\n{done.stderr[-3000:]}")
+    log_times = [_log_time(line, started) for line in done.stdout.splitlines() + done.stderr.splitlines()]
+    flow_lines = [moment for moment, line in zip(log_times, done.stdout.splitlines() + done.stderr.splitlines(), strict=True)
+                  if moment is not None and "Flow run '" in line]  # fmt: skip
+    return {
+        "until_flow_seconds": flow_lines[0] if flow_lines else None,
+        "flow_seconds": flow_lines[-1] - flow_lines[0] if flow_lines else None,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "server": "running" if os.environ.get("PREFECT_API_URL") else "temporary",
+    }
+
+
+def _log_time(line: str, started: float) -> float | None:
+    """Seconds since `started` of a Prefect log line (`07:21:32.428 | INFO | ...`), if the line is one."""
+    stamp = line.split(" | ", 1)[0]
+    try:
+        clock = datetime.datetime.strptime(stamp, "%H:%M:%S.%f").time()
+    except ValueError:
+        return None
+    day = datetime.datetime.fromtimestamp(started).date()
+    return datetime.datetime.combine(day, clock).timestamp() - started
 
 
 def import_verl_merger():
@@ -59,7 +99,7 @@ def merge_with_verl(checkpoint_dir: Path, target_dir: Path) -> None:
     merger_class(config).merge_and_save()
 
 
-TOOLS = {"mergeflow": merge_with_mergeflow, "verl": merge_with_verl}
+TOOLS = {"mergeflow": merge_with_mergeflow, "mergeflow-no-crc": merge_without_crc, "cli": merge_with_cli, "verl": merge_with_verl}
 
 
 def io_counters() -> dict[str, int]:
@@ -113,7 +153,7 @@ def main() -> None:
     before = io_counters()
     started = time.perf_counter()
     with RssSampler() as rss:
-        TOOLS[tool](checkpoint_dir, target_dir)
+        measured = TOOLS[tool](checkpoint_dir, target_dir) or {}
     wall = time.perf_counter() - started
     after = io_counters()
     print(json.dumps({
@@ -122,6 +162,7 @@ def main() -> None:
         "peak_rss_bytes": high_water_rss(),
         **{f"peak_{key}_bytes": value for key, value in rss.peaks.items()},
         **{key: after[key] - before[key] for key in ("read_bytes", "write_bytes", "rchar", "wchar")},
+        **measured,
     }))
 
 

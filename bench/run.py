@@ -5,7 +5,10 @@
 
 For each model it writes (once, then reuses) an 8-rank fp32 checkpoint, runs each tool in a fresh
 process with a cold and a warm page cache, and checks that mergeflow's and verl's outputs hold
-identical tensors. mergeflow runs with an empty model-spec cache (a config it has not seen: the first
+identical tensors. mergeflow runs as its engine alone (`bench.job mergeflow`), the same without its
+CRC-32 checks (what they cost), and as users run it: `mergeflow merge` end to end, with no Prefect server
+configured (the command starts a temporary one) and against a running server (`prefect server start`,
+started by the bench). It runs with an empty model-spec cache (a config it has not seen: the first
 merge of a training run, which imports transformers and builds the model on the meta device), and with
 the spec remembered, as for every later checkpoint of the run. The I/O floor (`cat` of the shards from
 a cold page cache, plus writing the output's size once) is sampled after every run. All of it is
@@ -16,12 +19,15 @@ verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +109,9 @@ def io_floor(checkpoint_dir: Path, output_bytes: int, scratch: Path) -> dict[str
     return {"cat_seconds": read_seconds, "write_seconds": write_seconds}
 
 
-def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool, spec_cache: Path) -> dict:
+def run_job(
+    tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool, spec_cache: Path, environment: dict[str, str]
+) -> dict:
     """One merge in a fresh process; `spec_cache` is mergeflow's model-spec cache directory (empty: a config
     it has not seen, the first merge of a training run)."""
     shutil.rmtree(target_dir, ignore_errors=True)
@@ -114,7 +122,7 @@ def run_job(tool: str, checkpoint_dir: Path, target_dir: Path, *, cold: bool, sp
     wait_for_quiet_disk(checkpoint_dir)
     result = subprocess.run([sys.executable, "-m", "bench.job", tool, str(checkpoint_dir), str(target_dir)],
                             capture_output=True, text=True, check=False,
-                            env={**os.environ, CACHE_DIR_VARIABLE: str(spec_cache)})
+                            env={**environment, CACHE_DIR_VARIABLE: str(spec_cache)})
     if result.returncode != 0:
         raise RuntimeError(f"{tool} failed on {checkpoint_dir}:\n{result.stderr[-3000:]}")
     measured = json.loads(result.stdout.strip().splitlines()[-1])
@@ -130,21 +138,32 @@ def median_floor(floors: list[dict[str, float]]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Step:
-    """One timed run of a round: a tool, a page cache, and for mergeflow whether it has seen the config."""
+    """One timed run of a round: a tool, a page cache, for mergeflow whether it has seen the config, and for
+    the CLI whether a Prefect server is running."""
 
     tool: str
     cold: bool
     config: str = "-"
+    server: bool = False
+    """The CLI talks to a running server (PREFECT_API_URL) instead of starting a temporary one."""
+
+    @property
+    def name(self) -> str:
+        return {"cli": "mergeflow merge (CLI)"}.get(self.tool, self.tool) + (", running server" if self.server else "")
 
     def describe(self) -> str:
-        config = f", {self.config}" if self.tool == "mergeflow" else ""
-        return f"{self.tool} ({'cold' if self.cold else 'warm'} cache{config})"
+        config = f", {self.config}" if self.tool != "verl" else ""
+        return f"{self.name} ({'cold' if self.cold else 'warm'} cache{config})"
 
 
 STEPS = (
     Step("mergeflow", cold=True, config="new config"),
     Step("mergeflow", cold=True, config="seen config"),
     Step("mergeflow", cold=False, config="seen config"),
+    Step("mergeflow-no-crc", cold=True, config="seen config"),
+    Step("cli", cold=True, config="new config"),
+    Step("cli", cold=True, config="seen config"),
+    Step("cli", cold=True, config="seen config", server=True),
     Step("verl", cold=True),
     Step("verl", cold=False),
 )
@@ -158,21 +177,24 @@ def round_steps(round_number: int, with_verl: bool) -> list[Step]:
     return steps[shift:] + steps[:shift]
 
 
-def run_step(step: Step, checkpoint_dir: Path, outputs: dict[str, Path], spec_caches: dict[str, Path]) -> dict:
+def run_step(
+    step: Step, checkpoint_dir: Path, outputs: dict[str, Path], spec_caches: dict[str, Path], server_url: str
+) -> dict:
     """A config mergeflow has not seen runs with an emptied spec cache (it imports transformers and builds
     the model on the meta device); a seen one with the cache its spec was stored in before the rounds, as
     for every later checkpoint of a training run. The first cold run of each tool writes the output the
     tools' outputs are compared by."""
-    keep_output = step.cold and step.config != "seen config"
-    target = outputs[step.tool] if keep_output else warm_target(outputs[step.tool])
+    keep_output = step.tool in outputs and step.cold and step.config != "seen config"
+    target = outputs[step.tool] if keep_output else warm_target(outputs.get(step.tool, outputs["mergeflow"]))
     spec_cache = spec_caches.get(step.config, spec_caches["seen config"])
     if step.config == "new config":
         shutil.rmtree(spec_cache, ignore_errors=True)
     print(f"{checkpoint_dir.name}: {step.describe()} ...", flush=True)
-    run = run_job(step.tool, checkpoint_dir, target, cold=step.cold, spec_cache=spec_cache)
+    environment = {**os.environ, "PREFECT_API_URL": server_url} if step.server else dict(os.environ)
+    run = run_job(step.tool, checkpoint_dir, target, cold=step.cold, spec_cache=spec_cache, environment=environment)
     if not keep_output:
         shutil.rmtree(target, ignore_errors=True)
-    return {**run, "config": step.config} if step.tool == "mergeflow" else run
+    return {**run, "step": step.name, "config": step.config}
 
 
 def store_spec(checkpoint_dir: Path, spec_cache: Path) -> None:
@@ -207,9 +229,9 @@ def output_bytes(model_dir: Path) -> int:
     return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
 
 
-def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int) -> dict:
-    """`rounds` rounds, each of mergeflow's three runs and verl's two (`round_steps`), an I/O floor sample
-    after each run; the medians count."""
+def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int, server_url: str) -> dict:
+    """`rounds` rounds, each of mergeflow's runs and verl's two (`round_steps`), an I/O floor sample after
+    each run; the medians count."""
     checkpoint_dir = workdir / "checkpoints" / model
     if not (checkpoint_dir / "fsdp_config.json").exists() or len(shard_files(checkpoint_dir)) != WORLD_SIZE:
         print(f"writing {model} checkpoint ({WORLD_SIZE} ranks, fp32) ...", flush=True)
@@ -224,7 +246,8 @@ def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int) -> dict
     for round_number in range(1, rounds + 1):
         print(f"{model}: round {round_number} of {rounds}", flush=True)
         for step in round_steps(round_number, with_verl):
-            runs.append({"model": model, "round": round_number, **run_step(step, checkpoint_dir, outputs, spec_caches)})
+            run = run_step(step, checkpoint_dir, outputs, spec_caches, server_url)
+            runs.append({"model": model, "round": round_number, **run})
             floors.append(io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin"))
     result = {
         "model": model,
@@ -241,10 +264,10 @@ def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int) -> dict
 
 
 def run_kinds(result: dict) -> dict[tuple[str, str, str], list[dict]]:
-    """The runs grouped by tool, page cache and config, in the order first run."""
+    """The runs grouped by step, page cache and config, in the order first run."""
     kinds: dict[tuple[str, str, str], list[dict]] = {}
     for run in result["runs"]:
-        kinds.setdefault((run["tool"], run["cache"], run.get("config", "-")), []).append(run)
+        kinds.setdefault((run["step"], run["cache"], run.get("config", "-")), []).append(run)
     return kinds
 
 
@@ -255,24 +278,24 @@ def median(values: list[float]) -> float:
 
 
 def table(results: list[dict]) -> str:
-    """One row per tool, page cache and config: median wall time (and each run's), ratios of medians,
-    the highest peak RSS of its runs."""
+    """One row per step, page cache and config: median wall time (and each run's), ratios of medians, the
+    highest peak RSS of its runs, and for the CLI the median split of its time (until the flow run begins:
+    imports and any server start; the flow run)."""
     header = ("model", "tool", "page cache", "config", "wall s", "each run s", "vs verl", "vs I/O floor",
-              "peak RSS GB", "read GB", "written GB")
+              "peak RSS GB", "until flow s", "flow s")
     rows = [header]
     for result in results:
         floor = result["cat_seconds"] + result["write_seconds"]
         kinds = run_kinds(result)
         verl = {cache: median([run["wall_seconds"] for run in runs])
-                for (tool, cache, _), runs in kinds.items() if tool == "verl"}
-        for (tool, cache, config), runs in kinds.items():
+                for (step, cache, _), runs in kinds.items() if step == "verl"}
+        for (step, cache, config), runs in kinds.items():
             wall = median([run["wall_seconds"] for run in runs])
             ratio = f"{wall / verl[cache]:.2f}x" if cache in verl else "-"
-            rows.append((result["model"], tool, cache, config, f"{wall:.1f}",
+            rows.append((result["model"], step, cache, config, f"{wall:.1f}",
                          " ".join(f"{run['wall_seconds']:.1f}" for run in runs), ratio, f"{floor / wall:.0%}",
                          f"{max(run['peak_rss_bytes'] for run in runs) / GB:.2f}",
-                         f"{median([run['read_bytes'] for run in runs]) / GB:.2f}",
-                         f"{median([run['write_bytes'] for run in runs]) / GB:.2f}"))
+                         _median_of(runs, "until_flow_seconds"), _median_of(runs, "flow_seconds")))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = [" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "-+-".join("-" * width for width in widths))
@@ -280,6 +303,11 @@ def table(results: list[dict]) -> str:
               f"(median of {samples(r)}), {r['shard_bytes'] / GB:.2f} GB -> {r['output_bytes'] / GB:.2f} GB, "
               f"identical to verl: {r['identical_to_verl']}" for r in results]
     return "\n".join([*lines, "", "I/O floor (same run; median of its samples, cat + write):", *floors])
+
+
+def _median_of(runs: list[dict], field: str) -> str:
+    values = [run[field] for run in runs if run.get(field) is not None]
+    return f"{median(values):.1f}" if values else "-"
 
 
 def samples(result: dict) -> str:
@@ -294,11 +322,45 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("bench/results/bench.json"))
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of runs per model (default {ROUNDS})")
     args = parser.parse_args()
-    results = [bench_model(model, args.workdir, model in args.verl_models, args.rounds) for model in args.models]
+    os.environ["PREFECT_HOME"] = str(args.workdir / "prefect-home")
+    os.environ.pop("PREFECT_API_URL", None)
+    with running_prefect_server(args.workdir / "prefect-server.log") as server_url:
+        results = [
+            bench_model(model, args.workdir, model in args.verl_models, args.rounds, server_url) for model in args.models
+        ]
     print(table(results))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"\nwritten: {args.json}")
+
+
+@contextlib.contextmanager
+def running_prefect_server(log: Path) -> Iterator[str]:
+    """`prefect server start` for the CLI runs against a running server (its database also serves the
+    temporary servers the other CLI runs start: the same PREFECT_HOME); yields its API URL."""
+    from mergeflow.deployments.server import TemporaryServer, healthy
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    api_url = f"http://127.0.0.1:{port}/api"
+    migrating = TemporaryServer()  # the database's migrations, once, outside any timed run
+    migrating.wait()
+    migrating.stop()
+    with open(log, "w") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env={**os.environ, "PREFECT_UI_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+            stdout=output, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + QUIET_TIMEOUT_SECONDS
+            while not healthy(api_url) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            yield api_url
+        finally:
+            server.terminate()
+            server.wait()
 
 
 if __name__ == "__main__":

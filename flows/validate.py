@@ -3,19 +3,19 @@
 from prefect import flow
 
 from mergeflow.errors import ValidationError
-from mergeflow.tasks.validate import validate
+from mergeflow.tasks.validate import validate_folder
 from mergeflow.validation.validate import ValidationReport
 
 
-@flow(name="validate-model")
-def validate_folder(
+@flow(name="validate-model", flow_run_name="validate {target_dir}")
+def validate_model(
     target_dir: str,
     test_hf_dir: str | None = None,
     check_logits: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
 ) -> ValidationReport:
-    report = validate(target_dir, test_hf_dir, check_logits=check_logits, atol=atol, rtol=rtol)
+    report = validate_folder(target_dir, test_hf_dir, check_logits=check_logits, atol=atol, rtol=rtol)
     if not report.passed:
         raise ValidationError(report.failure_message())
     return report

@@ -6,6 +6,7 @@ the whole story), and a merge's last line is its verdict.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -14,8 +15,16 @@ import tempfile
 from pathlib import Path
 
 from mergeflow import preflight
-from mergeflow.errors import MergeflowError, UploadError, ValidationError
-from mergeflow.options import BACKENDS, DEFAULT_DTYPE, DEFAULT_TARGET_DIR, DTYPE_NAMES, MAX_SHARD_SIZE
+from mergeflow.errors import MergeflowError, OptionError, UploadError, ValidationError
+from mergeflow.formats import BACKENDS
+from mergeflow.options import (
+    DEFAULT_DTYPE,
+    DEFAULT_TARGET_DIR,
+    DTYPE_NAMES,
+    MAX_SHARD_SIZE,
+    MergeOptions,
+    check_repo_id,
+)
 
 PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migrates its database slowly
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -234,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe a checkpoint without merging it")
     inspect.add_argument("local_dir", help="the checkpoint: .../global_step_N/actor (or critic)")
     inspect.add_argument(
+        "--backend", choices=BACKENDS, default="fsdp", help="checkpoint format: fsdp rank files or a megatron torch_dist archive"
+    )
+    inspect.add_argument(
         "--hf_model_config_path",
         "--hf-model-config-path",
         dest="hf_model_config_path",
@@ -266,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="verl run directories (holding global_step_N/)")
     _add_automation_options(sweep)
 
+    server = commands.add_parser(
+        "server", help="keep a Prefect server (and its UI) up on 127.0.0.1; mergeflow commands then use it"
+    )
+    server.add_argument("--port", type=int, default=4200, help="its port (default 4200)")
+
     demo = commands.add_parser("demo", help="write a tiny real FSDP2 checkpoint and merge it")
     demo.add_argument(
         "--workdir", default=None, help="where to put the demo's checkpoint and merged model (default: a new temporary directory)"
@@ -273,23 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_merge(args: argparse.Namespace) -> int:
-    from mergeflow.warm_up import start_warm_up
-
-    start_warm_up(  # first: the disk starts reading while Prefect is imported
-        args.local_dir,
-        args.backend,
-        args.hf_model_config_path,
-        trust_remote_code=args.trust_remote_code,
-        is_value_model=args.is_value_model,
-    )
-    from mergeflow.flows.merge import merge_checkpoint
-    from mergeflow.flows.task_runners import task_runner_from
-
-    flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
-    saved = flow(
-        local_dir=args.local_dir,
-        target_dir=args.target_dir,
+def merge_options(args: argparse.Namespace) -> MergeOptions:
+    return MergeOptions(
         backend=args.backend,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
@@ -297,19 +299,41 @@ def run_merge(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         is_value_model=args.is_value_model,
         tie_word_embedding=args.tie_word_embedding,
-        overwrite=args.overwrite,
-        test_hf_dir=args.test_hf_dir,
-        check_logits=args.check_logits,
         merge_lora=args.merge_lora,
         lora_alpha=args.lora_alpha,
-        hf_upload_path=args.hf_upload_path,
-        private=args.private,
-        revision=args.revision,
-        hf_token_secret=args.hf_token_secret,
         base_model=args.base_model,
-        refresh_cache=args.refresh_cache,
-        progress=args.progress,
     )
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from mergeflow.job import MergeJob
+
+    options = merge_options(args)
+    job = MergeJob(args.local_dir, args.target_dir, options)
+    with _prefect(allow_temporary=True) as server:
+        job.warm_up()  # the disk reads ahead, and a new config's spec builds, while Prefect is imported
+        job.write_ahead()  # and the weight files are written while a temporary server comes up
+        from mergeflow.flows.merge import merge_checkpoint
+        from mergeflow.flows.task_runners import task_runner_from
+
+        flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
+        _filter_console_echoes(server)
+        if server is not None:
+            server.wait()
+        saved = flow(
+            local_dir=args.local_dir,
+            target_dir=args.target_dir,
+            **{field: getattr(options, field) for field in options.__dataclass_fields__},
+            overwrite=args.overwrite,
+            test_hf_dir=args.test_hf_dir,
+            check_logits=args.check_logits,
+            hf_upload_path=args.hf_upload_path,
+            private=args.private,
+            revision=args.revision,
+            hf_token_secret=args.hf_token_secret,
+            refresh_cache=args.refresh_cache,
+            progress=args.progress,
+        )
     files = f"{len(saved.weight_files)} weight file{'s' if len(saved.weight_files) != 1 else ''}"
     return _verdict(
         f"merged {args.local_dir} into {saved.target_dir}: {saved.num_tensors} tensors, {saved.dtype}, "
@@ -318,34 +342,42 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_test(args: argparse.Namespace) -> int:
-    from mergeflow.flows.verify import verify_checkpoint
+    with _prefect(allow_temporary=True) as server:
+        from mergeflow.flows.verify import verify_checkpoint
 
-    report = verify_checkpoint(
-        local_dir=args.local_dir,
-        test_hf_dir=args.test_hf_dir,
-        backend=args.backend,
-        dtype=args.dtype,
-        hf_model_config_path=args.hf_model_config_path,
-        trust_remote_code=args.trust_remote_code,
-        is_value_model=args.is_value_model,
-        merge_lora=args.merge_lora,
-        lora_alpha=args.lora_alpha,
-        atol=args.atol,
-        rtol=args.rtol,
-    )
+        _filter_console_echoes(server)
+        if server is not None:
+            server.wait()
+        report = verify_checkpoint(
+            local_dir=args.local_dir,
+            test_hf_dir=args.test_hf_dir,
+            backend=args.backend,
+            dtype=args.dtype,
+            hf_model_config_path=args.hf_model_config_path,
+            trust_remote_code=args.trust_remote_code,
+            is_value_model=args.is_value_model,
+            merge_lora=args.merge_lora,
+            lora_alpha=args.lora_alpha,
+            atol=args.atol,
+            rtol=args.rtol,
+        )
     return _verdict(f"{args.local_dir}: {report.tensors_compared} tensors equal {args.test_hf_dir}")
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from mergeflow.flows.validate import validate_folder
+    with _prefect(allow_temporary=True) as server:
+        from mergeflow.flows.validate import validate_model
 
-    report = validate_folder(
-        target_dir=args.target_dir,
-        test_hf_dir=args.test_hf_dir,
-        check_logits=args.check_logits,
-        atol=args.atol,
-        rtol=args.rtol,
-    )
+        _filter_console_echoes(server)
+        if server is not None:
+            server.wait()
+        report = validate_model(
+            target_dir=args.target_dir,
+            test_hf_dir=args.test_hf_dir,
+            check_logits=args.check_logits,
+            atol=args.atol,
+            rtol=args.rtol,
+        )
     return _verdict(f"{args.target_dir}: validation {report.verdict()}")
 
 
@@ -354,6 +386,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     description = describe_checkpoint(
         Path(args.local_dir),
+        backend=args.backend,
         hf_model_config_path=args.hf_model_config_path,
         trust_remote_code=args.trust_remote_code,
     )
@@ -362,10 +395,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from mergeflow.flows.demo import run_demo as demo
-
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="mergeflow-demo-"))
-    matches = demo(workdir)
+    with _prefect(allow_temporary=True) as server:
+        from mergeflow.flows.demo import run_demo as demo
+
+        _filter_console_echoes(server)
+        if server is not None:
+            server.wait()
+        matches = demo(workdir)
     return _verdict(
         f"demo files are in {workdir.absolute()} (the checkpoint under demo/, the merged model in merged/); "
         f"logits of the merged model equal the original's (bf16): {matches}",
@@ -376,49 +413,61 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_watch(args: argparse.Namespace) -> int:
     import time
 
-    from mergeflow.deployments.watcher import watching
+    with _prefect(allow_temporary=False):
+        from mergeflow.deployments.watcher import watching
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    with watching(args.run_dirs):
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            return 0
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        with watching(args.run_dirs):
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from mergeflow.deployments.serve import ServeOptions, serve_forever
+    with _prefect(allow_temporary=False):
+        from mergeflow.deployments.serve import ServeOptions, serve_forever
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    serve_forever(
-        ServeOptions(
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        serve_forever(
+            ServeOptions(
+                run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
+                output_dir=str(Path(args.output_dir).absolute()),
+                dtype=args.dtype,
+                hf_upload_path=args.hf_upload_path,
+                private=args.private,
+                hf_token_secret=args.hf_token_secret,
+                schedule=args.schedule,
+                concurrency=args.concurrency,
+                task_runner=args.task_runner,
+            )
+        )
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    with _prefect(allow_temporary=True) as server:
+        from mergeflow.flows.sweep import sweep_checkpoints
+
+        _filter_console_echoes(server)
+        if server is not None:
+            server.wait()
+        merged = sweep_checkpoints(
             run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
             output_dir=str(Path(args.output_dir).absolute()),
             dtype=args.dtype,
             hf_upload_path=args.hf_upload_path,
             private=args.private,
             hf_token_secret=args.hf_token_secret,
-            schedule=args.schedule,
-            concurrency=args.concurrency,
-            task_runner=args.task_runner,
         )
-    )
-    return 0
-
-
-def run_sweep(args: argparse.Namespace) -> int:
-    from mergeflow.flows.sweep import sweep_checkpoints
-
-    merged = sweep_checkpoints(
-        run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
-        output_dir=str(Path(args.output_dir).absolute()),
-        dtype=args.dtype,
-        hf_upload_path=args.hf_upload_path,
-        private=args.private,
-        hf_token_secret=args.hf_token_secret,
-    )
     return _verdict(f"merged {len(merged)} checkpoint(s)" + "".join(f"\n  {target}" for target in merged))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from mergeflow.deployments.server import keep_server_up
+
+    return keep_server_up(args.port)
 
 
 COMMANDS = {
@@ -430,7 +479,46 @@ COMMANDS = {
     "watch": run_watch,
     "serve": run_serve,
     "sweep": run_sweep,
+    "server": run_server,
 }
+
+
+@contextlib.contextmanager
+def _prefect(*, allow_temporary: bool):
+    """The Prefect server of a command (`deployments.server.prefect_api`); with its queued logs and events
+    sent before a temporary one stops. Serving and watching need a server that outlives the command.
+
+    Raises:
+        OptionError: no server runs, and the command needs one that stays up.
+    """
+    from mergeflow.deployments.server import (
+        API_URL_VARIABLE,
+        configured_api_url,
+        kept_up_api_url,
+        prefect_api,
+    )
+
+    if not allow_temporary and not (configured_api_url() or kept_up_api_url()):
+        raise OptionError(
+            "this command needs a Prefect server that stays up (schedules and event triggers run there)",
+            hint=f"start one with `mergeflow server` in another terminal, or set {API_URL_VARIABLE}",
+        )
+    with prefect_api() as server:
+        try:
+            yield server
+        finally:
+            _send_prefect_queues()
+
+
+def _send_prefect_queues() -> None:
+    """Send the Prefect logs and events still queued in this process (before its server may stop)."""
+    if "prefect.logging.handlers" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all()
+    EventsWorker.drain_all()
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -460,11 +548,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         if args.test_hf_dir:
             preflight.check_reference(args.test_hf_dir)
     elif args.command == "inspect":
-        preflight.check_checkpoint(args.local_dir, "fsdp", args.hf_model_config_path)
+        preflight.check_checkpoint(args.local_dir, args.backend, args.hf_model_config_path)
     elif args.command in ("serve", "sweep"):
         preflight.check_output_dir(args.output_dir, args.run_dirs)
         if args.hf_upload_path:
-            preflight.check_repo_id(args.hf_upload_path)
+            check_repo_id(args.hf_upload_path)
     if getattr(args, "task_runner", None):
         parse_task_runner(args.task_runner)
 
@@ -475,12 +563,15 @@ class _EchoFilter(logging.Filter):
     "Finished in state Failed(...)" lines that repeat it are dropped. The run's logs in the Prefect API keep
     every record."""
 
-    def __init__(self):
+    def __init__(self, *, temporary_server: bool):
         super().__init__()
         self._shown: set[int] = set()
+        self._dead_links = temporary_server
+        """A temporary server has no UI: the "View at" links Prefect prints would lead nowhere."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith("Finished in state Failed("):
+        message = record.msg if isinstance(record.msg, str) else ""
+        if message.startswith("Finished in state Failed(") or (self._dead_links and message.startswith("View at ")):
             return False
         error = record.exc_info[1] if record.exc_info else None
         if error is None:
@@ -491,41 +582,20 @@ class _EchoFilter(logging.Filter):
         return True
 
 
-def _filter_console_echoes() -> None:
+def _filter_console_echoes(server: object = None) -> None:
+    """Install `_EchoFilter` on Prefect's console handlers (`server`: the temporary server, if any)."""
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
-    echo_filter = _EchoFilter()
+    echo_filter = _EchoFilter(temporary_server=server is not None)
     for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
         for handler in getattr(logger, "handlers", []):
             if type(handler).__name__ == "PrefectConsoleHandler":
                 handler.addFilter(echo_filter)
 
 
-def _stop_temporary_server() -> None:
-    """Send Prefect the logs and events still queued, then stop the temporary server this command started
-    now rather than at exit, so that its goodbye is not the last line (a configured server is left alone)."""
-    server_module = sys.modules.get("prefect.server.api.server")
-    if server_module is None or _configured_api_url():
-        return
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all()
-    EventsWorker.drain_all()
-    for server in list(server_module.SubprocessASGIServer._instances.values()):
-        server.stop()
-
-
-def _configured_api_url() -> str | None:
-    from prefect.settings import get_current_settings
-
-    return get_current_settings().api.url
-
-
 def _verdict(line: str, code: int = 0) -> int:
     """Print the command's last line (what happened, where), once Prefect has nothing more to say."""
-    _stop_temporary_server()
     print(f"mergeflow: {line}")
     return code
 
@@ -545,12 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     except MergeflowError as e:
         _report(e)
         return EXIT_BAD_INPUT
-    if args.command in ("merge", "test", "validate", "demo", "sweep"):
-        _filter_console_echoes()
     try:
         return COMMANDS[args.command](args)
     except MergeflowError as e:
-        _stop_temporary_server()
         _report(e)
         if isinstance(e, UploadError):
             print(f"mergeflow: the merged model is kept at {args.target_dir}", file=sys.stderr)

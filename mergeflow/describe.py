@@ -1,40 +1,42 @@
 """What `mergeflow inspect` reports about a checkpoint, from metadata alone (nothing is merged)."""
 
+import math
 from collections import Counter
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats.fsdp.index import ShardIndex, index_shards
-from mergeflow.formats.fsdp.layout import default_config_dir, find_rank_files
+from mergeflow.formats import find_checkpoint
+from mergeflow.formats.base import TensorIndex
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, read_train_meta
 from mergeflow.spec.model_spec import ModelSpec, load_model_spec
 
 
 def describe_checkpoint(
-    local_dir: Path, *, hf_model_config_path: Path | None = None, trust_remote_code: bool = False
+    local_dir: Path,
+    *,
+    backend: str = "fsdp",
+    hf_model_config_path: Path | None = None,
+    trust_remote_code: bool = False,
 ) -> dict:
-    """World size, mesh, placements, dtypes, parameter count, and tied / LoRA / value-model flags."""
-    rank_files = find_rank_files(Path(local_dir))
-    index = index_shards(rank_files)
-    spec = _spec_or_none(
-        Path(hf_model_config_path) if hf_model_config_path else default_config_dir(Path(local_dir)),
-        trust_remote_code,
-    )
+    """World size, how it was saved (mesh, placements or tensor parallelism), dtypes, parameter count, and
+    tied / LoRA / value-model flags."""
+    layout = find_checkpoint(local_dir, backend)
+    spec = _spec_or_none(Path(hf_model_config_path or layout.config_dir), trust_remote_code)
+    if spec is None and backend == "megatron":
+        raise CheckpointError(f"{layout.config_dir}: a Megatron archive is named through its config, which cannot be read")
+    index = layout.index(spec)
     tied = dict(spec.tied) if spec else dict(index.aliases)
     counted = [t for name, t in index.tensors.items() if name not in tied and name not in index.aliases]
     names = list(index.tensors)
     lora_names = lora_tensor_names(names)
     description = {
         "checkpoint_dir": str(Path(local_dir).absolute()),
-        "backend": "fsdp",
-        "fsdp_version": index.fsdp_version,
+        "backend": backend,
         "world_size": index.world_size,
-        "mesh_shape": list(index.mesh_shape),
-        "mesh_dim_names": list(index.mesh_dim_names) if index.mesh_dim_names else None,
-        "placements": dict(Counter(",".join(t.placements) or "plain" for t in index.tensors.values())),
+        **index.facts(),
         "dtypes": dict(Counter(t.dtype for t in index.tensors.values())),
         "num_tensors": len(index.tensors),
-        "num_parameters": sum(t.numel for t in counted),
+        "num_parameters": sum(math.prod(t.shape) for t in counted),
         "architecture": spec.architecture if spec else None,
         "tied": tied,
         "lora": bool(lora_names),
@@ -47,7 +49,7 @@ def describe_checkpoint(
     return description
 
 
-def _lora_description(index: ShardIndex, lora_names: list[str]) -> dict:
+def _lora_description(index: TensorIndex, lora_names: list[str]) -> dict:
     ranks = Counter(index.tensors[name].shape[0] for name in lora_names if ".lora_A." in name or ".lora_embedding_A." in name)
     meta = read_train_meta(Path(index.checkpoint_dir)) or {}
     return {

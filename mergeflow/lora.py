@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mergeflow.errors import CheckpointError, OptionError, PlanError, quoted
-from mergeflow.formats.fsdp.index import ShardIndex
+from mergeflow.formats.base import TensorIndex
 from mergeflow.spec.model_spec import ModelSpec, build_meta_model
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def lora_tensor_names(names) -> list[str]:
 
 
 def plan_lora(
-    index: ShardIndex, spec: ModelSpec, *, merge: bool = False, lora_alpha: float | None = None
+    index: TensorIndex, spec: ModelSpec, *, merge: bool = False, lora_alpha: float | None = None
 ) -> LoraPlan | None:
     """Resolve a checkpoint's LoRA tensors, or return None when it has none.
 
@@ -338,7 +338,7 @@ def _rank_pattern(ranks: dict[str, int], rank: int) -> dict[str, int]:
     return pattern
 
 
-def _check_reproduces(peft_model: torch.nn.Module, index: ShardIndex, *, lora_only: bool, config: "LoraConfig") -> None:
+def _check_reproduces(peft_model: torch.nn.Module, index: TensorIndex, *, lora_only: bool, config: "LoraConfig") -> None:
     expected = {name: tuple(tensor.shape) for name, tensor in peft_model.state_dict().items()}
     if lora_only:
         expected = {name: shape for name, shape in expected.items() if name in lora_tensor_names(expected)}

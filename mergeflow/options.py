@@ -4,7 +4,6 @@ from dataclasses import dataclass
 
 from mergeflow.errors import OptionError
 
-BACKENDS = ("fsdp", "megatron")
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "keep")
 """`--dtype` choices: the floating dtype written, or `keep` for the shards' own."""
 DEFAULT_DTYPE = "bf16"
@@ -28,11 +27,6 @@ class MergeOptions:
     merge_lora: bool = False
     lora_alpha: float | None = None
     base_model: str | None = None
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise OptionError(f"backend '{backend}' is not supported: choose one of {', '.join(BACKENDS)}")
 
 
 def check_dtype(dtype: str) -> None:

@@ -13,7 +13,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, parse_dtype_name
 from mergeflow.errors import OptionError, PlanError, quoted
-from mergeflow.formats.fsdp.index import ShardIndex, SourceTensor
+from mergeflow.formats.base import StoredTensor, TensorIndex
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype
 from mergeflow.spec.model_spec import ModelSpec, SavedView
@@ -68,7 +68,7 @@ class MergePlan:
 
 
 def plan_merge(
-    index: ShardIndex,
+    index: TensorIndex,
     spec: ModelSpec,
     *,
     dtype: str = DEFAULT_DTYPE,
@@ -125,7 +125,7 @@ class AdapterPlan:
     config: "LoraConfig"
 
 
-def plan_adapter(index: ShardIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTYPE) -> AdapterPlan:
+def plan_adapter(index: TensorIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTYPE) -> AdapterPlan:
     """The adapter as PEFT saves it: PEFT's key names, one safetensors file, floating tensors in `dtype`."""
     check_dtype(dtype)
     tensors = {
@@ -160,7 +160,7 @@ def _has_saved_names(spec: ModelSpec, names: Iterable[str]) -> bool:
 
 
 def _output_layout(
-    spec: ModelSpec, kept: dict[str, SourceTensor], folds: dict[str, LoraFold]
+    spec: ModelSpec, kept: dict[str, StoredTensor], folds: dict[str, LoraFold]
 ) -> dict[str, tuple[str, tuple[int, ...], SavedView | None]]:
     """Each output tensor's name, the kept tensor it comes from, its shape, and its view of it.
 
@@ -194,7 +194,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _check_against_config(
-    kept: dict[str, SourceTensor], expected: dict[str, tuple[int, ...]], spec: ModelSpec, checkpoint_dir: str
+    kept: dict[str, StoredTensor], expected: dict[str, tuple[int, ...]], spec: ModelSpec, checkpoint_dir: str
 ) -> None:
     config_path = f"{spec.config_dir}/config.json"
     missing = [name for name in expected if name not in kept]

@@ -9,9 +9,8 @@ again, with the rest, for callers that do not come through the CLI.
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats.fsdp.layout import RankFiles, default_config_dir, find_rank_files
-from mergeflow.formats.megatron.layout import MegatronLayout, find_megatron_checkpoint
-from mergeflow.options import check_backend, check_repo_id, check_shard_size
+from mergeflow.formats import find_checkpoint
+from mergeflow.options import check_repo_id, check_shard_size
 from mergeflow.output.staging import check_overlap, check_target
 from mergeflow.run_layout import Protected, protected_paths
 from mergeflow.spec.config_files import CONFIG_FILE, require_config
@@ -19,37 +18,17 @@ from mergeflow.spec.config_files import CONFIG_FILE, require_config
 REFERENCE_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 
 
-def find_checkpoint(local_dir: str | Path, backend: str) -> RankFiles | MegatronLayout:
-    """The checkpoint's files, in the backend's layout.
+def check_checkpoint(local_dir: str | Path, backend: str, hf_model_config_path: str | Path | None = None) -> Path:
+    """The checkpoint's files must be complete, and its config directory (returned) must hold config.json.
 
     Raises:
-        CheckpointError: it is missing, incomplete, or not in the backend's layout (naming the directory to
-            pass where the user pointed at a parent).
+        CheckpointError: naming what is missing, and the directory to pass where the user pointed at a parent.
         OptionError: an unknown backend.
     """
-    check_backend(backend)
-    if backend == "megatron":
-        return find_megatron_checkpoint(Path(local_dir))
-    return find_rank_files(Path(local_dir))
-
-
-def config_dir_of(checkpoint: RankFiles | MegatronLayout, hf_model_config_path: str | Path | None = None) -> Path:
-    """Where the checkpoint's Hugging Face config is: the given directory, else the one saved beside it."""
-    if hf_model_config_path:
-        return Path(hf_model_config_path)
-    if isinstance(checkpoint, MegatronLayout):
-        return Path(checkpoint.hf_dir)
-    return default_config_dir(Path(checkpoint.checkpoint_dir))
-
-
-def check_checkpoint(
-    local_dir: str | Path, backend: str, hf_model_config_path: str | Path | None = None
-) -> tuple[RankFiles | MegatronLayout, Path]:
-    """The checkpoint and its config directory, which must hold config.json."""
-    checkpoint = find_checkpoint(local_dir, backend)
-    config_dir = config_dir_of(checkpoint, hf_model_config_path)
+    layout = find_checkpoint(local_dir, backend)
+    config_dir = Path(hf_model_config_path or layout.config_dir)
     require_config(config_dir)
-    return checkpoint, config_dir
+    return config_dir
 
 
 def check_merge_target(target_dir: str | Path, *, overwrite: bool, protected: tuple[Protected, ...]) -> None:
@@ -88,7 +67,7 @@ def check_merge(
     check_shard_size(max_shard_size)
     if hf_upload_path:
         check_repo_id(hf_upload_path)
-    _, config_dir = check_checkpoint(local_dir, backend, hf_model_config_path)
+    config_dir = check_checkpoint(local_dir, backend, hf_model_config_path)
     check_merge_target(target_dir, overwrite=overwrite, protected=protected_paths(local_dir, config_dir))
     if test_hf_dir:
         check_reference(test_hf_dir)

@@ -1,17 +1,26 @@
-"""Caching of merged state: a merge is keyed by its `MergeKey`, runs once at a time per key, and its
-cached value is the output manifest."""
+"""Caching of merged state with Prefect's own means: a transaction per merge, keyed by its `MergeKey`, holds
+the merge's lock and records the published manifest; every step is cached under the merge's key."""
 
+import hashlib
 import json
 import os
+import shutil
 import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+from prefect import task
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.results import get_result_store
-from prefect.settings import get_current_settings
+from prefect.serializers import JSONSerializer
+from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, get_current_settings, temporary_settings
+from prefect.transactions import IsolationLevel, Transaction, get_transaction, transaction
 
-from mergeflow.output.manifest import SavedModel
+from mergeflow.fingerprint import MergeKey
+from mergeflow.output.manifest import SavedModel, output_intact
 
 
 class ProcessAwareLockManager(FileSystemLockManager):
@@ -57,23 +66,82 @@ def lock_directory() -> Path:
     return Path(get_current_settings().home) / "mergeflow" / "locks"
 
 
-def merge_key_of(_context, parameters: dict) -> str:
-    return parameters["key"].digest
+KEYED_PARAMETERS = ("filename", "test_hf_dir", "check_logits")
+"""Step parameters that change a step's result beyond the merge itself (which file, which reference)."""
 
 
-MERGE_CACHE = CacheKeyFnPolicy(cache_key_fn=merge_key_of).configure(
-    lock_manager=ProcessAwareLockManager(lock_files_directory=lock_directory()),
-    isolation_level="SERIALIZABLE",
+def step_key(context, parameters: dict) -> str:
+    """A step's cache key: the merge's key, the step, and a digest of what else changes its result."""
+    extra = {name: parameters[name] for name in KEYED_PARAMETERS if name in parameters}
+    key = f"{parameters['job'].key().digest}-{context.task.name}"
+    return f"{key}-{hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:16]}" if extra else key
+
+
+def _lock_manager() -> ProcessAwareLockManager:
+    return ProcessAwareLockManager(lock_files_directory=lock_directory())
+
+
+MERGE_STEP = CacheKeyFnPolicy(cache_key_fn=step_key).configure(
+    lock_manager=_lock_manager(), isolation_level="SERIALIZABLE"
 )
-"""One merge per key at a time, across processes on this host; a second run waits, then reads the manifest."""
+"""Every step of a merge is cached under the merge's key (the flow decides, under the merge's lock, whether
+the cached steps may be reused: `merge_transaction`)."""
 
 
-def recorded_merge(task, digest: str) -> SavedModel | None:
-    """The manifest `task` cached under `digest`, if any (waiting while a run of the same merge holds its lock).
+def merge_step(name: str, *, on_rollback: Callable[[Transaction], None] | None = None, **options):
+    """A step of the merge flow: a task cached under the merge's key, its result (a small manifest) stored as
+    JSON, never pickled; `on_rollback` runs when the merge it belongs to fails."""
 
-    Records are JSON (the task's result serializer), never pickles.
-    """
-    store = get_result_store().update_for_task(task)
-    if not store.exists(digest):
-        return None
-    return store.read(digest).result
+    def decorate(function):
+        step = task(function, name=name, cache_policy=MERGE_STEP, persist_result=True, result_serializer="json", **options)
+        if on_rollback is not None:
+            step.on_rollback(on_rollback)
+        return step
+
+    return decorate
+
+
+STAGING_KEY = "staging_dir"
+
+
+def remember_staging(staging_dir: Path) -> None:
+    """Let a rollback of the step that wrote into the staging folder remove it."""
+    get_transaction().set(STAGING_KEY, str(staging_dir))
+
+
+def remove_staging(txn: Transaction) -> None:
+    """`on_rollback` of the steps that write into the staging folder: a failed merge leaves no staging folder."""
+    shutil.rmtree(txn.get(STAGING_KEY, None) or "", ignore_errors=True)
+
+
+@dataclass
+class MergeRecord:
+    """What a merge's transaction knows: whether this merge was published before, and what to record."""
+
+    transaction: Transaction
+    merged_before: bool
+    """The target held this merge's output at some point (so it may be replaced without --overwrite)."""
+    reuse: bool
+    """That output is still in place, unchanged: the cached steps stand."""
+
+    def record(self, saved: SavedModel) -> None:
+        """The published manifest, written when the transaction commits."""
+        self.transaction.stage(saved)
+
+
+@contextmanager
+def merge_transaction(key: MergeKey, *, refresh: bool = False) -> Iterator[MergeRecord]:
+    """Hold the merge's lock (a second run of the same merge waits here, then finds the first one's record)
+    and decide whether the cached steps stand: the target must still hold, unchanged, the manifest this
+    merge recorded when it published. Otherwise, or with `refresh`, every step runs again. A failure inside
+    rolls the steps back (`on_rollback` hooks remove what they staged); a crash leaves the staging folder for
+    the next run to resume."""
+    store = get_result_store().model_copy(
+        update={"lock_manager": _lock_manager(), "serializer": JSONSerializer(), "metadata_storage": None}
+    )
+    with transaction(key=key.digest, store=store, isolation_level=IsolationLevel.SERIALIZABLE, overwrite=True) as txn:
+        previous = txn.read() if store.exists(key.digest) else None
+        manifest = previous.result if previous is not None else None
+        reuse = manifest is not None and not refresh and output_intact(manifest)
+        with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: not reuse}):
+            yield MergeRecord(txn, merged_before=manifest is not None, reuse=reuse)

@@ -1,21 +1,17 @@
-from pathlib import Path
+from prefect import get_run_logger
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-
-from mergeflow.output.copy import copy_model_folder
+from mergeflow.job import CheckpointFound, MergeJob
 from mergeflow.output.manifest import SavedModel
+from mergeflow.tasks.cache import merge_step, remember_staging, remove_staging
 
 
-@task(name="copy-model", cache_policy=NO_CACHE)
-def copy_model(hf_dir: str, staging_dir: str) -> SavedModel:
-    """Copy a checkpoint's ready Hugging Face model folder byte for byte into the staging directory."""
-    saved = copy_model_folder(Path(hf_dir), Path(staging_dir))
+@merge_step("copy-model", on_rollback=[remove_staging])
+def copy_model(job: MergeJob, checkpoint: CheckpointFound, *, replace: bool = False) -> SavedModel:
+    """Copy a checkpoint's ready Hugging Face model folder (an mbridge run's) byte for byte, to validate."""
+    remember_staging(job.staging_dir)
+    saved = job.copy_model(replace=replace)
     get_run_logger().info(
-        "%s already holds the Hugging Face model (an mbridge run): nothing to merge; copied %d files, "
-        "%d tensors, to validate",
-        hf_dir,
-        len(saved.files),
-        saved.num_tensors,
-    )
+        "%s already holds the Hugging Face model: nothing to merge; copied %d files, %d tensors",
+        checkpoint.model_dir, len(saved.files), saved.num_tensors,
+    )  # fmt: skip
     return saved

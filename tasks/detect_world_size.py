@@ -1,22 +1,20 @@
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
-from mergeflow.formats.fsdp.layout import RankFiles
-from mergeflow.formats.megatron.layout import MegatronLayout
-from mergeflow.preflight import find_checkpoint
+from mergeflow.fingerprint import MergeKey
+from mergeflow.job import CheckpointFound, MergeJob
+from mergeflow.tasks.cache import merge_step
 
 
-@task(name="detect-world-size", cache_policy=NO_CACHE)
-def detect_world_size(local_dir: str, backend: str = "fsdp") -> RankFiles | MegatronLayout:
-    """FSDP: find the rank files and check that every rank 0..W-1 is present, and no other.
-    Megatron: find the `dist_ckpt/` archive and its `huggingface/` folder in either of verl's layouts."""
-    logger = get_run_logger()
-    checkpoint = find_checkpoint(local_dir, backend)
-    if isinstance(checkpoint, MegatronLayout):
-        if checkpoint.hf_weights:
-            logger.info("%s holds Hugging Face weights already (an mbridge run)", checkpoint.hf_dir)
-        else:
-            logger.info("torch_dist archive %s, config in %s", checkpoint.dist_ckpt_dir, checkpoint.hf_dir)
-        return checkpoint
-    logger.info("world size %d: %d rank files in %s", checkpoint.world_size, len(checkpoint.paths), local_dir)
-    return checkpoint
+@merge_step("detect-world-size")
+def detect_world_size(job: MergeJob, key: MergeKey) -> CheckpointFound:
+    """FSDP: find the rank files and check that every rank 0..W-1 is present, and no other. Megatron: find
+    the `dist_ckpt/` archive and its `huggingface/` folder in either of verl's layouts."""
+    found = job.find_checkpoint()
+    if found.model_dir:
+        get_run_logger().info("%s holds the Hugging Face model already (an mbridge run)", found.model_dir)
+    else:
+        get_run_logger().info(
+            "%s checkpoint of world size %d: %d data files in %s",
+            found.backend, found.world_size, found.data_files, found.checkpoint_dir,
+        )  # fmt: skip
+    return found

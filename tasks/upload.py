@@ -8,7 +8,8 @@ from prefect.tasks import exponential_backoff
 
 from mergeflow.errors import UploadError
 from mergeflow.hub import UploadResult, upload_model
-from mergeflow.tasks.publish_report import artifact_key
+from mergeflow.output.manifest import SavedModel
+from mergeflow.tasks.publish import artifact_key
 
 UPLOAD_RETRIES = 6
 UPLOAD_RETRY_DELAY_SECONDS = 10.0
@@ -32,7 +33,7 @@ def retry_transient_only(task, task_run, state) -> bool:
     retry_condition_fn=retry_transient_only,
 )
 def upload(
-    target_dir: str,
+    saved: SavedModel,
     repo_id: str,
     *,
     revision: str,
@@ -42,6 +43,7 @@ def upload(
     token_secret: str | None = None,
 ) -> UploadResult:
     """Upload the merged folder to the Hub; a rate limit's Retry-After is waited out before the next attempt."""
+    target_dir = saved.target_dir
     token = _token_from_secret(token_secret)
     try:
         result = upload_model(

@@ -3,32 +3,43 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from mergeflow.job import MergeJob
+from mergeflow.output.manifest import SavedModel
+from mergeflow.tasks.cache import merge_step
 from mergeflow.validation.validate import ValidationReport, validate_model_dir
 
 
-@task(name="validate", cache_policy=NO_CACHE)
+@merge_step("validate")
 def validate(
-    model_dir: str,
+    job: MergeJob, saved: SavedModel, test_hf_dir: str | None = None, *, check_logits: bool = False
+) -> ValidationReport:
+    """Check the merged folder is complete and, given a reference, equal to it tensor by tensor."""
+    return _logged(job.validate(saved, test_hf_dir, check_logits=check_logits))
+
+
+@task(name="validate", cache_policy=NO_CACHE)
+def validate_folder(
+    target_dir: str,
     test_hf_dir: str | None = None,
     *,
     check_logits: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
-    target_dir: str | None = None,
 ) -> ValidationReport:
-    """Check a merged folder is complete and, given a reference, equal to it tensor by tensor; the report
-    names `target_dir` (where a staged folder is going) when given."""
+    """Check a model folder (one copied from elsewhere) the way a merge checks its own."""
     report = validate_model_dir(
-        Path(model_dir),
+        Path(target_dir),
         reference_dir=Path(test_hf_dir) if test_hf_dir else None,
         check_logits=check_logits,
         atol=atol,
         rtol=rtol,
-        shown_as=target_dir,
     )
-    logger = get_run_logger()
+    return _logged(report)
+
+
+def _logged(report: ValidationReport) -> ValidationReport:
     if report.passed:
-        logger.info("validation %s", report.verdict())
+        get_run_logger().info("validation %s", report.verdict())
     else:
-        logger.error(report.failure_message())
+        get_run_logger().error(report.failure_message())
     return report

@@ -1,18 +1,14 @@
-from pathlib import Path
+from prefect import get_run_logger
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from mergeflow.job import MergeJob
+from mergeflow.output.manifest import SavedModel
+from mergeflow.tasks.cache import merge_step
+from mergeflow.validation.validate import ValidationReport
 
-from mergeflow.output.model_card import MergeFacts, write_model_card
 
-
-@task(name="write-model-card", cache_policy=NO_CACHE)
-def write_card(target_dir: str, facts: MergeFacts) -> str | None:
+@merge_step("write-model-card")
+def write_model_card(job: MergeJob, saved: SavedModel, report: ValidationReport) -> str | None:
     """README.md with the merge's facts, unless the checkpoint brought its own model card."""
-    path = write_model_card(Path(target_dir), facts)
-    logger = get_run_logger()
-    if path is None:
-        logger.info("kept the checkpoint's README.md as the model card")
-        return None
-    logger.info("wrote the model card %s", path)
-    return str(path)
+    path = job.write_model_card(saved, report)
+    get_run_logger().info("wrote the model card" if path else "kept the checkpoint's README.md as the model card")
+    return path

@@ -1,10 +1,10 @@
-"""A merge is cached by its checkpoint's fingerprint, options, target and engine version; the cached value is
-the output manifest, reused only while the output is still in place."""
+"""A merge is cached by its checkpoint's fingerprint, options, target and engine version: every step is cached
+under that key, and reused only while the output the merge published is still in place, unchanged."""
 
 import os
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 import torch
@@ -23,9 +23,13 @@ def merge(checkpoint_dir, target_dir, **options):
     )
 
 
-def merge_model_run(flow_state):
-    runs = task_runs_of(flow_state.state_details.flow_run_id, count=2)
-    return next(run for run in runs if run.name.startswith("merge-model"))
+STEPS = 11
+"""Task runs of a merge of a one-file model: fingerprint, ten steps (one weight file)."""
+
+
+def publish_run(flow_state):
+    runs = task_runs_of(flow_state.state_details.flow_run_id, count=STEPS)
+    return next(run for run in runs if run.name.startswith("publish"))
 
 
 def file_times(folder):
@@ -39,7 +43,7 @@ def test_second_run_on_an_unchanged_checkpoint_is_a_cache_hit(fixtures, target_d
     second = merge(checkpoint, target_dir)
 
     assert second.is_completed()
-    assert merge_model_run(second).state.name == "Cached"
+    assert publish_run(second).state.name == "Cached"
 
 
 def test_cache_hit_runs_no_step_beyond_the_fingerprint(fixtures, target_dir):
@@ -49,8 +53,8 @@ def test_cache_hit_runs_no_step_beyond_the_fingerprint(fixtures, target_dir):
 
     second = merge(checkpoint, target_dir)
 
-    runs = task_runs_of(second.state_details.flow_run_id, count=2)
-    assert [run.name.rsplit("-", 1)[0] for run in runs] == ["fingerprint", "merge-model"]
+    runs = task_runs_of(second.state_details.flow_run_id, count=STEPS)
+    assert [run.state.name for run in runs if not run.name.startswith("fingerprint")] == ["Cached"] * (STEPS - 1)
     assert file_times(target_dir) == written
 
 
@@ -72,7 +76,7 @@ def test_deleted_output_is_merged_again(fixtures, target_dir):
 
     again = merge(checkpoint, target_dir)
 
-    assert merge_model_run(again).state.name == "Completed"
+    assert publish_run(again).state.name == "Completed"
     assert load_weights(target_dir).keys() == expected.keys()
     assert all(load_weights(target_dir)[name].equal(tensor) for name, tensor in expected.items())
 
@@ -85,7 +89,7 @@ def test_changed_output_is_merged_again(fixtures, target_dir):
 
     again = merge(checkpoint, target_dir)
 
-    assert merge_model_run(again).state.name == "Completed"
+    assert publish_run(again).state.name == "Completed"
     assert (target_dir / "config.json").read_text() == original
 
 
@@ -98,7 +102,7 @@ def test_touched_shard_invalidates_the_cache(copy_checkpoint, target_dir):
 
     again = merge(checkpoint, target_dir, overwrite=True)
 
-    assert merge_model_run(again).state.name == "Completed"
+    assert publish_run(again).state.name == "Completed"
 
 
 def test_an_option_that_changes_the_output_is_a_new_merge(fixtures, target_dir):
@@ -107,7 +111,7 @@ def test_an_option_that_changes_the_output_is_a_new_merge(fixtures, target_dir):
 
     again = merge(checkpoint, target_dir, dtype="fp32", overwrite=True)
 
-    assert merge_model_run(again).state.name == "Completed"
+    assert publish_run(again).state.name == "Completed"
     assert {tensor.dtype for tensor in load_weights(target_dir).values()} == {torch.float32}
 
 
@@ -117,7 +121,7 @@ def test_refresh_cache_merges_again(fixtures, target_dir):
 
     again = merge(checkpoint, target_dir, refresh_cache=True)
 
-    assert merge_model_run(again).state.name == "Completed"
+    assert publish_run(again).state.name == "Completed"
 
 
 def test_a_target_this_merge_did_not_write_is_still_refused(fixtures, target_dir):
@@ -138,10 +142,10 @@ def test_concurrent_runs_on_the_same_checkpoint_merge_once(fixtures, tmp_path):
         sys.executable, "-m", "mergeflow", "merge", "--no-progress",
         "--local_dir", str(fixtures["qwen2-ws2"].checkpoint_dir), "--target_dir", str(target_dir),
     ]  # fmt: skip
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     runs = [subprocess.Popen(command, env=subprocess_env(), stderr=subprocess.PIPE, text=True) for _ in range(2)]
     errors = [run.communicate(timeout=300)[1] for run in runs]
 
     assert [run.returncode for run in runs] == [0, 0], errors
-    merge_models = task_runs_named("merge-model", count=2, since=started)
-    assert sorted(run.state.name for run in merge_models) == ["Cached", "Completed"]
+    publishes = task_runs_named("publish", count=2, since=started)
+    assert sorted(run.state.name for run in publishes) == ["Cached", "Completed"]

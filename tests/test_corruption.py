@@ -135,10 +135,6 @@ def test_a_byte_flipped_anywhere_gives_the_clean_model_or_an_error_naming_the_fi
 
 
 def test_a_flipped_byte_in_a_megatron_chunk_is_an_error_naming_the_file(megatron_fixtures, tmp_path):
-    from mergeflow.formats.megatron.index import index_megatron
-    from mergeflow.output.save import save_model
-    from mergeflow.planning import plan_merge
-    from mergeflow.spec.model_spec import load_model_spec
 
     source = megatron_fixtures["megatron-qwen2-tp1"]
     checkpoint = tmp_path / "actor"
@@ -153,9 +149,7 @@ def test_a_flipped_byte_in_a_megatron_chunk_is_an_error_naming_the_file(megatron
             info = next(info for info in archive.infolist() if "/data/" in info.filename)
             offset = chunk.byte_offset + record_data_offset(window, info)
     flip_byte(data_file, offset + 2)
-    spec = load_model_spec(Path(layout.hf_dir))
-    index = index_megatron(layout, spec)
 
     with pytest.raises(CheckpointError, match=f"corrupt data file {data_file}: the chunk of decoder.final_layernorm"):
-        save_model(plan_merge(index, spec), index, spec, tmp_path / "merged", progress=False)
+        merge_with_engine(checkpoint, tmp_path / "merged", backend="megatron")
     assert not (tmp_path / "merged").exists()

@@ -13,19 +13,17 @@ import torch
 import torch.distributed.checkpoint
 
 import mergeflow.formats.megatron.dcp
-import mergeflow.formats.megatron.index
+import mergeflow.formats.megatron.names
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.formats.megatron.dcp import read_metadata, read_slice
 from mergeflow.formats.megatron.index import index_megatron
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
-from mergeflow.output.save import save_model
-from mergeflow.planning import plan_merge
 from mergeflow.spec.model_spec import load_model_spec
 from mergeflow.testing.megatron import LOGITS_INPUT_IDS
 from mergeflow.validation.validate import validate_model_dir
 from tests.conftest import MEGATRON_FIXTURE_NAMES, MEGATRON_FIXTURE_SPECS
-from tests.merging import load_weights, logits, model_class
+from tests.merging import load_weights, logits, merge_with_engine, model_class
 
 REPO_ROOT = Path(__file__).parent.parent
 WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1]
@@ -38,11 +36,8 @@ def merged_megatron(megatron_fixtures, tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in outputs:
-            layout = find_megatron_checkpoint(megatron_fixtures[name].checkpoint_dir)
-            spec = load_model_spec(Path(layout.hf_dir))
-            index = index_megatron(layout, spec)
             target = tmp_path_factory.mktemp("merged-megatron") / name
-            save_model(plan_merge(index, spec, dtype="keep"), index, spec, target, progress=False)
+            merge_with_engine(megatron_fixtures[name].checkpoint_dir, target, backend="megatron", dtype="keep")
             outputs[name] = target
         return outputs[name]
 
@@ -108,10 +103,7 @@ def checkpoint_with_optimizer_state(megatron_fixtures, tmp_path_factory):
 
 def test_optimizer_state_saved_with_the_model_is_left_out(checkpoint_with_optimizer_state, tmp_path):
     fixture, checkpoint_dir = checkpoint_with_optimizer_state
-    layout = find_megatron_checkpoint(checkpoint_dir)
-    spec = load_model_spec(Path(layout.hf_dir))
-    index = index_megatron(layout, spec)
-    save_model(plan_merge(index, spec, dtype="keep"), index, spec, tmp_path / "out", progress=False)
+    merge_with_engine(checkpoint_dir, tmp_path / "out", backend="megatron", dtype="keep")
 
     report = validate_model_dir(tmp_path / "out", reference_dir=fixture.reference_dir)
 
@@ -138,9 +130,9 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
 
 
 def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
-    table = dict(mergeflow.formats.megatron.index.HF_FROM_MEGATRON)
+    table = dict(mergeflow.formats.megatron.names.HF_FROM_MEGATRON)
     del table["decoder.layers.{layer}.mlp.linear_fc2.weight"]
-    monkeypatch.setattr(mergeflow.formats.megatron.index, "HF_FROM_MEGATRON", table)
+    monkeypatch.setattr(mergeflow.formats.megatron.names, "HF_FROM_MEGATRON", table)
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir)
 
     with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2 .*"decoder.layers.mlp.linear_fc2.weight"'):
@@ -148,9 +140,9 @@ def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatc
 
 
 def test_an_unmapped_expert_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
-    moe_table = dict(mergeflow.formats.megatron.index.QWEN_MOE)
+    moe_table = dict(mergeflow.formats.megatron.names.QWEN_MOE)
     del moe_table["decoder.layers.{layer}.mlp.shared_experts.gate_weight"]
-    monkeypatch.setitem(mergeflow.formats.megatron.index.TABLES_BY_MODEL_TYPE, "qwen2_moe", moe_table)
+    monkeypatch.setitem(mergeflow.formats.megatron.names.TABLES_BY_MODEL_TYPE, "qwen2_moe", moe_table)
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2moe-ep2"].checkpoint_dir)
 
     with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2_moe .*"decoder.layers.1.mlp.shared_experts.gate_weight"'):

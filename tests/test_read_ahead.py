@@ -1,4 +1,4 @@
-"""Read-ahead: checkpoint files reach the page cache while the block runs, and reading stops with it."""
+"""Read-ahead: checkpoint files reach the page cache while it runs, and reading stops when it is stopped."""
 
 import ctypes
 import mmap
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mergeflow.perf import pages
 from mergeflow.perf import read_ahead as read_ahead_module
-from mergeflow.perf.read_ahead import read_ahead, start_read_ahead, stop_read_ahead
+from mergeflow.perf.read_ahead import ReadAhead
 
 FILE_BYTES = 8 * 1024 * 1024
 WAIT_SECONDS = 10
@@ -48,90 +48,60 @@ def wait_until(condition, seconds: float = WAIT_SECONDS) -> bool:
     return condition()
 
 
-def test_files_are_in_the_page_cache_while_the_block_runs(tmp_path):
-    files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
+def read_ahead_threads() -> int:
+    return sum(thread.name == "mergeflow-read-ahead" for thread in threading.enumerate())
 
-    with read_ahead([str(path) for path in files]):
-        assert wait_until(lambda: all(cached(path) for path in files))
+
+def test_a_cold_file_is_not_in_the_page_cache(tmp_path):
+    """What the other tests call cold really is: dropping a flushed file leaves none of it cached."""
+    assert not cached(cold_file(tmp_path / "a.pt"))
+
+
+def test_files_reach_the_page_cache_while_it_runs(tmp_path):
+    files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
+    assert not any(cached(path) for path in files)
+
+    reading = ReadAhead([str(path) for path in files]).start()
+
+    assert wait_until(lambda: all(cached(path) for path in files))
+    reading.stop()
 
 
 def test_files_are_read_through_where_the_device_does_not_say_how_much_a_hint_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: 0)
     files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
+    assert not any(cached(path) for path in files)
 
-    with read_ahead([str(path) for path in files]):
-        assert wait_until(lambda: all(cached(path) for path in files))
+    reading = ReadAhead([str(path) for path in files]).start()
+
+    assert wait_until(lambda: all(cached(path) for path in files))
+    reading.stop()
 
 
-def test_reading_ahead_stops_when_the_block_ends(tmp_path):
-    with read_ahead([str(cold_file(tmp_path / "a.pt"))]):
-        pass
+def test_stopping_ends_its_threads(tmp_path):
+    reading = ReadAhead([str(cold_file(tmp_path / name)) for name in ("a.pt", "b.pt", "c.pt")]).start()
 
-    assert not any(thread.name == "mergeflow-read-ahead" for thread in threading.enumerate())
+    reading.stop()
+
+    assert read_ahead_threads() == 0
+    assert not reading.running
 
 
 def test_a_missing_file_is_skipped(tmp_path):
     present = cold_file(tmp_path / "present.pt")
+    assert not cached(present)
 
-    with read_ahead([str(tmp_path / "missing.pt"), str(present)]):
-        assert wait_until(lambda: cached(present))
+    reading = ReadAhead([str(tmp_path / "missing.pt"), str(present)]).start()
 
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    assert wait_until(lambda: cached(present))
+    reading.stop()
 
 
-def read_ahead_threads() -> int:
-    return sum(thread.name == "mergeflow-read-ahead" for thread in threading.enumerate())
+def test_a_second_start_while_it_runs_starts_nothing_more(tmp_path):
+    reading = ReadAhead([str(cold_file(tmp_path / "a.pt"))]).start()
+    threads = read_ahead_threads()
 
+    reading.start()
 
-def test_a_started_read_ahead_reads_the_files_before_any_block(tmp_path):
-    files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
-
-    start_read_ahead([str(path) for path in files])
-
-    assert wait_until(lambda: all(cached(path) for path in files))
-    with read_ahead([str(path) for path in files]):
-        pass
-
-
-def test_a_block_carries_on_the_read_ahead_started_for_its_files_instead_of_reading_them_again(tmp_path):
-    path = cold_file(tmp_path / "a.pt")
-    start_read_ahead([str(path)])
-    assert wait_until(lambda: cached(path) and read_ahead_threads() == 0)
-    evict(path)
-
-    with read_ahead([str(path)]):
-        time.sleep(0.2)
-        assert not cached(path)
-
-
-def test_a_started_read_ahead_ends_with_the_block_of_its_files(tmp_path):
-    files = [str(cold_file(tmp_path / name)) for name in ("a.pt", "b.pt", "c.pt")]
-    start_read_ahead(files)
-
-    with read_ahead(files):
-        pass
-
-    assert read_ahead_threads() == 0
-
-
-def test_a_stopped_read_ahead_ends_before_its_block(tmp_path):
-    files = [str(cold_file(tmp_path / name)) for name in ("a.pt", "b.pt", "c.pt")]
-
-    with read_ahead(files):
-        stop_read_ahead(files)
-        assert read_ahead_threads() == 0
-
-
-def test_a_block_that_may_not_start_a_read_ahead_reads_nothing(tmp_path):
-    path = cold_file(tmp_path / "a.pt")
-
-    with read_ahead([str(path)], start=False):
-        time.sleep(0.2)
-        assert read_ahead_threads() == 0
-        assert not cached(path)
+    assert read_ahead_threads() <= threads
+    reading.stop()

@@ -112,15 +112,15 @@ def flow_runs(label: str):
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=label)))
 
 
-def merge_model_states(label: str) -> list[str]:
-    """States of the merge-model task runs of every flow run merging `label`."""
+def publish_states(label: str) -> list[str]:
+    """States of the publish task runs of every flow run merging `label` (Cached on a cache hit)."""
     runs = flow_runs(label)
     if not runs:
         return []
     with get_client(sync_client=True) as client:
         task_runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id={"any_": [run.id for run in runs]}),
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="merge-model")),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="publish")),
         )
     return sorted(run.state.name for run in task_runs if run.state and run.state.is_final())
 
@@ -167,12 +167,12 @@ def announce(env: dict, run_dir: Path, step: int, *version: str) -> None:
 
 def test_the_same_event_twice_merges_once(served):
     env, run_dir, _ = served
-    wait_until(lambda: merge_model_states("run-a/step-1/actor") == ["Completed"], MERGE_SECONDS, "the first merge")
+    wait_until(lambda: publish_states("run-a/step-1/actor") == ["Completed"], MERGE_SECONDS, "the first merge")
 
     announce(env, run_dir, 1)
 
     time.sleep(QUIET_SECONDS)
-    assert merge_model_states("run-a/step-1/actor").count("Completed") == 1
+    assert publish_states("run-a/step-1/actor").count("Completed") == 1
 
 
 def test_another_run_on_the_same_checkpoint_is_a_cache_hit(served):
@@ -180,5 +180,5 @@ def test_another_run_on_the_same_checkpoint_is_a_cache_hit(served):
 
     announce(env, run_dir, 1, "a version the watcher never saw")
 
-    wait_until(lambda: "Cached" in merge_model_states("run-a/step-1/actor"), MERGE_SECONDS, "a Cached merge")
-    assert merge_model_states("run-a/step-1/actor").count("Completed") == 1
+    wait_until(lambda: "Cached" in publish_states("run-a/step-1/actor"), MERGE_SECONDS, "a Cached merge")
+    assert publish_states("run-a/step-1/actor").count("Completed") == 1

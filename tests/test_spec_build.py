@@ -8,8 +8,11 @@ import pytest
 from mergeflow.errors import CheckpointError
 from mergeflow.formats.fsdp.layout import default_config_dir
 from mergeflow.spec import cache as spec_cache
+from mergeflow.spec import model_spec
 from mergeflow.spec.build import SpecBuild
 from mergeflow.spec.model_spec import load_model_spec
+
+CHILD_SECONDS = 120
 
 
 @pytest.fixture
@@ -24,19 +27,33 @@ def stored(config_dir) -> bool:
 
 def test_the_child_stores_the_spec_a_build_here_gives(fixtures, empty_cache, monkeypatch, tmp_path):
     config_dir = default_config_dir(fixtures["qwen2-ws2"].checkpoint_dir)
+    build = SpecBuild(config_dir)
 
-    from_child = SpecBuild(config_dir).spec()
-
-    assert stored(config_dir)
+    assert build.process.wait(timeout=CHILD_SECONDS) == 0
+    assert stored(config_dir)  # stored by the child, before any lookup here
+    from_child = build.spec()
     monkeypatch.setenv(spec_cache.CACHE_DIR_VARIABLE, str(tmp_path / "another-cache"))
     assert load_model_spec(config_dir) == from_child
+
+
+def test_a_lookup_waits_for_the_child_instead_of_building_again(fixtures, empty_cache, monkeypatch):
+    config_dir = default_config_dir(fixtures["qwen2-ws2"].checkpoint_dir)
+    build = SpecBuild(config_dir)
+
+    def built_here(*args, **kwargs):
+        raise AssertionError("the spec was built in this process while the child built it")
+
+    monkeypatch.setattr(model_spec, "_spec_fields", built_here)
+    build.spec()
+
+    assert build.done()
 
 
 def test_a_spec_already_cached_starts_no_child(fixtures, empty_cache):
     config_dir = default_config_dir(fixtures["qwen2-ws2"].checkpoint_dir)
     load_model_spec(config_dir)
 
-    assert SpecBuild(config_dir).done()
+    assert SpecBuild(config_dir).process is None
 
 
 def test_a_spec_the_child_cannot_build_is_reported_with_the_config_file(tmp_path, empty_cache):
@@ -48,6 +65,7 @@ def test_a_spec_the_child_cannot_build_is_reported_with_the_config_file(tmp_path
     with pytest.raises(CheckpointError, match=r"config\.json"):
         build.spec()
 
+    assert build.process.returncode != 0
     assert not stored(config_dir)
 
 

@@ -1,16 +1,17 @@
 """Streaming: bounded row chunks, assembled across rank blocks, produced ahead of the writer."""
 
 import os
-import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from mergeflow.formats.fsdp.index import SourceTensor
 from mergeflow.formats.fsdp.placement import Block
-from mergeflow.streaming import assemble_rows, prefetched, row_ranges
+from mergeflow.formats.fsdp.reader import BLOCK_READERS, assemble_rows
+from mergeflow.output.streaming import prefetched, row_ranges
 from tests.merging import load_weights, merge_with_engine
 
 
@@ -33,42 +34,38 @@ def two_rank_tensor() -> SourceTensor:
     return SourceTensor("weight", "float32", (4, 2), ("Shard(0)",), blocks)
 
 
-def test_the_blocks_of_a_row_range_are_copied_at_the_same_time():
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(BLOCK_READERS) as executor:
+        yield executor
+
+
+def test_the_blocks_of_a_row_range_are_copied_at_the_same_time(pool):
     both_copying = threading.Barrier(2, timeout=10)
 
     def copy_rows(block, start, stop, into):
         both_copying.wait()
         into.fill_(block.rank)
 
-    rows = assemble_rows(two_rank_tensor(), 0, 4, torch.float32, copy_rows)
+    rows = assemble_rows(two_rank_tensor(), 0, 4, torch.float32, copy_rows, pool)
 
     assert rows.tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
 
 
-def test_a_failed_block_copy_is_raised_once_the_other_copies_have_ended():
+def test_a_failed_block_copy_is_raised_once_the_other_copies_have_ended(pool):
+    both_started = threading.Barrier(2, timeout=10)
     ended = []
 
     def copy_rows(block, start, stop, into):
+        both_started.wait()
         if block.rank == 0:
             raise OSError("rank file went away")
         time.sleep(0.1)
         ended.append(block.rank)
 
     with pytest.raises(OSError, match="rank file went away"):
-        assemble_rows(two_rank_tensor(), 0, 4, torch.float32, copy_rows)
+        assemble_rows(two_rank_tensor(), 0, 4, torch.float32, copy_rows, pool)
     assert ended == [1]
-
-
-def test_a_forked_child_copies_blocks_with_a_pool_of_its_own():
-    assemble_rows(two_rank_tensor(), 0, 4, torch.float32, lambda block, start, stop, into: into.fill_(block.rank))
-    child = os.fork()
-    if child == 0:
-        signal.alarm(20)  # a child left waiting on the parent's pool ends instead of hanging the suite
-        rows = assemble_rows(two_rank_tensor(), 0, 4, torch.float32, lambda block, start, stop, into: into.fill_(1))
-        os._exit(0 if rows.sum().item() == 8 else 1)
-    _, status = os.waitpid(child, 0)
-
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("name", ["llama-untied-ws3", "qwen2-hsdp-2x2", "qwen2-fsdp1-ws3"])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from mergeflow.cli import EXIT_VALIDATION_FAILED, main
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.tasks.publish_report import artifact_key
+from mergeflow.tasks.publish import artifact_key
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import merge_with_engine
 from tests.prefect_runs import API_WAIT_SECONDS

@@ -1,0 +1,34 @@
+"""Checkpoint formats, one folder per backend. Each finds its files without torch (`layout`) and indexes
+and reads its tensors behind the protocols of `formats.base`."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+from mergeflow.errors import OptionError
+from mergeflow.formats.base import Layout
+from mergeflow.formats.fsdp.layout import find_rank_files
+from mergeflow.formats.megatron.layout import find_megatron_checkpoint
+
+FINDERS: dict[str, Callable[[Path], Layout]] = {
+    "fsdp": find_rank_files,
+    "megatron": find_megatron_checkpoint,
+}
+"""Each backend (`--backend` name) and how it finds a checkpoint's files."""
+BACKENDS = tuple(FINDERS)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in FINDERS:
+        raise OptionError(f"backend '{backend}' is not supported: choose one of {', '.join(BACKENDS)}")
+
+
+def find_checkpoint(local_dir: str | Path, backend: str) -> Layout:
+    """The checkpoint's files, in the backend's layout.
+
+    Raises:
+        CheckpointError: missing, incomplete, or not in the backend's layout (naming the directory to pass
+            where the user pointed at a parent).
+        OptionError: an unknown backend.
+    """
+    check_backend(backend)
+    return FINDERS[backend](Path(local_dir))

@@ -3,11 +3,10 @@
 import contextlib
 import copy
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,19 +15,19 @@ import torch
 from tqdm.auto import tqdm
 
 from mergeflow.dtypes import parse_dtype_name
-from mergeflow.formats.fsdp.index import ShardIndex
+from mergeflow.formats.base import TensorIndex
 from mergeflow.lora import ADAPTER_SUBDIR
 from mergeflow.output.manifest import SavedModel, describe_files
-from mergeflow.output.materialize import open_tensors
-from mergeflow.output.staging import staged_output
+from mergeflow.output.materialize import PlannedTensors
+from mergeflow.output.streaming import CHUNK_BYTES, prefetched
 from mergeflow.output.writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
-from mergeflow.run_layout import protected_paths
 from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, write_generation_config
-from mergeflow.streaming import CHUNK_BYTES, prefetched
 
 DONE_SUFFIX = ".done"
 PARTIAL_SUFFIX = ".partial"
+LOCK_SUFFIX = ".lock"
+WRITERS_LOCK = f".mergeflow-writers{LOCK_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -39,64 +38,12 @@ class ShardWritten:
     size: int
     sha256: str
     resumed: bool = False
-    """Found finished in the output folder (an interrupted run, or an early write, wrote it as planned)."""
-
-
-class ShardWriteStopped(Exception):
-    """A shard's write was stopped part way (its `.partial` file is removed)."""
-
-
-def save_model(
-    plan: MergePlan | None,
-    index: ShardIndex,
-    spec: ModelSpec,
-    target_dir: Path,
-    *,
-    adapter: AdapterPlan | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-    chunk_bytes: int = CHUNK_BYTES,
-) -> SavedModel:
-    """Write the merged model to `target_dir`: weights, index, config, generation config and side files,
-    and the LoRA adapter in `lora_adapter/` when given. With no `plan` (a LoRA-only checkpoint) only
-    the adapter is written. A target that overlaps the checkpoint or its config is refused
-    (`mergeflow.output.staging.check_target`).
-
-    `chunk_bytes` bounds each assembled block of rows, and so the merge's memory.
-    """
-    target_dir = Path(target_dir).absolute()
-    protected = protected_paths(index.checkpoint_dir, spec.config_dir)
-    with staged_output(target_dir, overwrite=overwrite, protected=protected) as staging:
-        saved = save_staged(
-            plan, index, spec, staging, target_dir, adapter=adapter, progress=progress, chunk_bytes=chunk_bytes
-        )
-    return relocated(saved, target_dir)
-
-
-def save_staged(
-    plan: MergePlan | None,
-    index: ShardIndex,
-    spec: ModelSpec,
-    staging: Path,
-    target_dir: Path,
-    *,
-    adapter: AdapterPlan | None = None,
-    progress: bool = True,
-    chunk_bytes: int = CHUNK_BYTES,
-) -> SavedModel:
-    """`save_model`'s files written into `staging`, to become `target_dir`; shards already there as
-    planned are kept. The manifest describes `staging`."""
-    started = time.monotonic()
-    written = []
-    if plan is not None:
-        written = write_weights(plan, index, staging, progress=progress, chunk_bytes=chunk_bytes)
-    write_model_files(plan, index, spec, staging, target_dir, adapter=adapter, progress=progress)
-    return describe_output(plan, adapter, staging, written, seconds=time.monotonic() - started)
+    """Found finished in the output folder (written before the flow started, or by an interrupted run)."""
 
 
 def write_model_files(
     plan: MergePlan | None,
-    index: ShardIndex,
+    index: TensorIndex,
     spec: ModelSpec,
     staging: Path,
     target_dir: Path,
@@ -145,7 +92,7 @@ def relocated(saved: SavedModel, target_dir: Path) -> SavedModel:
 
 
 def write_adapter(
-    adapter: AdapterPlan, index: ShardIndex, adapter_dir: Path, *, base_model: str | None, progress: bool = True
+    adapter: AdapterPlan, index: TensorIndex, adapter_dir: Path, *, base_model: str | None, progress: bool = True
 ) -> None:
     """The adapter folder as PEFT's save_pretrained writes it: adapter_config.json and adapter_model.safetensors."""
     adapter_dir.mkdir(exist_ok=True)  # a resumed merge finds it
@@ -158,7 +105,7 @@ def write_adapter(
 
 def write_weights(
     plan: MergePlan,
-    index: ShardIndex,
+    index: TensorIndex,
     output_dir: Path,
     *,
     progress: bool = True,
@@ -174,56 +121,60 @@ def write_weights(
 
 def write_shard(
     plan: MergePlan,
-    index: ShardIndex,
+    index: TensorIndex,
     output_dir: Path,
     filename: str,
     *,
     chunk_bytes: int = CHUNK_BYTES,
     on_bytes: Callable[[int], object] | None = None,
-    stop: threading.Event | None = None,
 ) -> ShardWritten:
     """Stream one planned safetensors file from the checkpoint, resumably.
 
     The file is written as `<name>.partial` and renamed when complete, then a `.<name>.done` marker
     records its size, SHA-256 and a digest of its plan. A shard whose marker and file agree with the
-    plan is kept as it is, so a merge killed part way only writes the shards it had not finished. Chunks
-    are assembled on a background thread while the previous ones are written.
-
-    Raises:
-        ShardWriteStopped: `stop` was set before the file was complete.
+    plan is kept as it is, so a merge killed part way only writes the shards it had not finished. Writers
+    of the same file (a write started before the flow, another process) take turns on a file lock, and the
+    later one keeps what the first wrote. Chunks are read on a background thread while the previous ones
+    are written; what was read is checked against the checkpoint's checksums before the file is kept.
     """
     tensors = sorted((plan.tensors[name] for name in plan.shard_to_names[filename]), key=_safetensors_order)
     entries = [TensorEntry(t.name, t.dtype, t.shape) for t in tensors]
     final, marker = output_dir / filename, shard_marker(output_dir, filename)
     expected_size = len(build_header(entries)) + sum(entry.nbytes for entry in entries)
     planned = shard_plan_digest(plan, filename)
-    finished = _finished_shard(final, marker, expected_size, planned)
-    if finished is not None:
-        if on_bytes is not None:
-            on_bytes(sum(entry.nbytes for entry in entries))
-        return finished
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    try:
-        with (
-            contextlib.closing(open_tensors(index)) as reader,
-            SafetensorsWriter(partial, entries) as writer,
-        ):
+    with _file_lock(output_dir / f".{filename}{LOCK_SUFFIX}", fcntl.LOCK_EX):
+        finished = _finished_shard(final, marker, expected_size, planned)
+        if finished is not None:
+            if on_bytes is not None:
+                on_bytes(sum(entry.nbytes for entry in entries))
+            return finished
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        with contextlib.closing(PlannedTensors(index)) as reader, SafetensorsWriter(partial, entries) as writer:
             for tensor_name, chunk in prefetched(_chunks(tensors, reader, chunk_bytes)):
-                if stop is not None and stop.is_set():
-                    raise ShardWriteStopped(f"{final}: stopped before it was complete")
                 writer.write(tensor_name, chunk)
                 if on_bytes is not None:
                     on_bytes(chunk.numel() * chunk.element_size())
             reader.verify()
-    except ShardWriteStopped:
-        partial.unlink(missing_ok=True)
-        raise
-    written = ShardWritten(filename, expected_size, writer.sha256)
-    os.replace(partial, final)
-    marker_tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
-    marker_tmp.write_text(json.dumps({"size": written.size, "sha256": written.sha256, "plan": planned}))
-    os.replace(marker_tmp, marker)
+        written = ShardWritten(filename, expected_size, writer.sha256)
+        os.replace(partial, final)
+        marker_tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
+        marker_tmp.write_text(json.dumps({"size": written.size, "sha256": written.sha256, "plan": planned}))
+        os.replace(marker_tmp, marker)
     return written
+
+
+@contextlib.contextmanager
+def shard_writers(folder: Path) -> Iterator[None]:
+    """Held by a writer that may still write shards into `folder`; `clear_shard_markers` waits for it."""
+    with _file_lock(folder / WRITERS_LOCK, fcntl.LOCK_SH):
+        yield
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, operation: int) -> Iterator[None]:
+    with open(path, "a") as file:
+        fcntl.flock(file, operation)
+        yield
 
 
 def shard_plan_digest(plan: MergePlan, filename: str) -> str:
@@ -237,10 +188,13 @@ def shard_marker(output_dir: Path, filename: str) -> Path:
 
 
 def clear_shard_markers(folder: Path) -> None:
-    """Remove the resume markers and any unfinished `.partial` file once every shard is written."""
-    for path in folder.iterdir():
-        if (path.name.startswith(".") and path.name.endswith(DONE_SUFFIX)) or path.name.endswith(PARTIAL_SUFFIX):
-            path.unlink()
+    """Once every shard is written (and no writer of `shard_writers` is left), remove the resume markers,
+    locks and any unfinished `.partial` file."""
+    with _file_lock(folder / WRITERS_LOCK, fcntl.LOCK_EX):
+        for path in folder.iterdir():
+            hidden = path.name.startswith(".")
+            if (hidden and path.name.endswith((DONE_SUFFIX, LOCK_SUFFIX))) or path.name.endswith(PARTIAL_SUFFIX):
+                path.unlink()
 
 
 def _finished_shard(final: Path, marker: Path, expected_size: int, planned: str) -> ShardWritten | None:

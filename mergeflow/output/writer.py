@@ -1,11 +1,5 @@
-"""A streaming safetensors writer: the header first, then each tensor's bytes in order, chunk by chunk.
-
-safetensors itself serialises whole in-memory tensors; this writes the same format from pieces, so
-no tensor, and never the model, has to be resident at once. Bytes go through `AlignedFile`, which
-writes with O_DIRECT where the filesystem allows it: on the machines measured, buffered writes cost
-the kernel about three times the CPU time of direct ones, and the output would only evict the
-page cache the shards are read from.
-"""
+"""A streaming safetensors writer: the header first, then each tensor's bytes in order, chunk by chunk, so no
+tensor has to be resident whole; bytes go out with O_DIRECT where the filesystem allows it."""
 
 import errno
 import fcntl

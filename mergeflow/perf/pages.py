@@ -1,10 +1,5 @@
-"""Page-level views of memory-mapped shards: are their pages in the page cache, and drop them after use.
-
-Pages touched through an mmap count in the process's RSS until unmapped. Dropping them once a block
-has been copied (MADV_DONTNEED on a read-only private file mapping: they are re-read from the file if
-touched again) keeps peak RSS flat however large the model. `mincore` tells, without reading
-anything, which pages of a mapped range are in the page cache.
-"""
+"""Page-level views of memory-mapped shards: which of their pages are in the page cache (`mincore`), and
+dropping them from the process once copied (so RSS stays flat however large the model)."""
 
 import ctypes
 import ctypes.util

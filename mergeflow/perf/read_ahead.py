@@ -1,23 +1,17 @@
-"""Have the kernel read checkpoint files into the page cache while the merge is still being planned.
+"""Have the kernel read a checkpoint's files into the page cache while the merge is busy elsewhere (importing
+torch, building a spec), so that its own reads later find them there.
 
-Building the model spec for a config not seen before is seconds of CPU (importing transformers, building
-the model on the meta device) with the disk idle, and so is importing torch. `read_ahead` uses that
-time. Where the file's block device says how much one readahead request may cover (`read_ahead_kb`,
+Where the file's block device says how much one readahead request may cover (`read_ahead_kb`,
 `max_sectors_kb` in sysfs), the files are hinted in requests of that size (POSIX_FADV_WILLNEED): the
-kernel reads them into the page cache asynchronously, many requests in flight, and copies nothing to
-this process. Elsewhere (the kernel would cut each hint to an unknown window, silently), background
-threads read the files through the page cache into one small reused buffer each, so only those
-buffers count against RSS; two files at a time, as two streams read about twice as fast as one on
-the disks measured. The rank reader later finds those pages cached and copies them from its mapping
-instead of reading them from disk again. It is only a hint: what is not read ahead, or is evicted
-before it is needed, is read from disk as before.
+kernel reads them asynchronously, many requests in flight, and copies nothing to this process.
+Elsewhere, background threads read the files through one small reused buffer each, two files at a
+time. It is only a hint: what is not read ahead, or is evicted before it is needed, is read from disk.
 """
 
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 REQUEST_BYTES = 16 * 1024 * 1024
@@ -30,79 +24,43 @@ MEMORY_SHARE = 4
 """Read ahead at most 1/MEMORY_SHARE of physical memory, so the cache never pushes out what it holds."""
 
 
-class _Reader:
-    """One background read of a list of files, each from its start, until stopped or out of budget;
-    STREAMS threads share the files out (every STREAMS-th to each) and the budget."""
+class ReadAhead:
+    """A background read of a list of files, each from its start, until stopped or out of budget; STREAMS
+    threads share the files out (every STREAMS-th to each) and the budget."""
 
-    def __init__(self, paths: tuple[str, ...]):
+    def __init__(self, paths: Sequence[str]):
+        self.paths = tuple(paths)
         self._stop = threading.Event()
-        streams = max(1, min(STREAMS, len(paths)))
-        self._threads = [
-            threading.Thread(
-                target=_read_ahead,
-                args=(paths[first::streams], _budget_bytes() // streams, self._stop),
-                name="mergeflow-read-ahead",
-                daemon=True,
-            )
-            for first in range(streams)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> "ReadAhead":
+        """Start reading (a second call while it runs does nothing)."""
+        if not self.running:
+            self._stop.clear()
+            streams = max(1, min(STREAMS, len(self.paths)))
+            self._threads = [
+                threading.Thread(
+                    target=_read_ahead,
+                    args=(self.paths[first::streams], _budget_bytes() // streams, self._stop),
+                    name="mergeflow-read-ahead",
+                    daemon=True,
+                )
+                for first in range(streams)
+            ]
+            for thread in self._threads:
+                thread.start()
+        return self
 
     @property
     def running(self) -> bool:
         return any(thread.is_alive() for thread in self._threads)
 
     def stop(self) -> None:
+        """End it now: the merge reads the files for itself from here on (hints still queued would hold its
+        reads up and read the same blocks twice)."""
         self._stop.set()
         for thread in self._threads:
             thread.join()
-
-
-_readers: dict[tuple[str, ...], _Reader] = {}
-"""Read-aheads `start_read_ahead` began, waiting for the `read_ahead` block that ends them."""
-_readers_lock = threading.Lock()
-
-
-def start_read_ahead(paths: Sequence[str]) -> None:
-    """Start reading `paths` into the page cache in the background, before the merge is ready to plan.
-
-    The read goes on until a `read_ahead` block of the same paths ends (or the budget is spent), so it
-    can start first thing, while the process is still importing libraries; a second call while it runs
-    does nothing.
-    """
-    key = tuple(paths)
-    with _readers_lock:
-        if key not in _readers or not _readers[key].running:
-            _readers[key] = _Reader(key)
-
-
-@contextmanager
-def read_ahead(paths: Sequence[str], *, start: bool = True) -> Iterator[None]:
-    """Read `paths` ahead into the page cache while the block runs (or until `stop_read_ahead`).
-
-    A read-ahead `start_read_ahead` began for the same paths is carried on (not restarted) and ends with
-    the block; with `start` false the block only ends such a read-ahead, and starts none.
-    """
-    key = tuple(paths)
-    with _readers_lock:
-        reader = _readers.get(key)
-        if reader is None and start:
-            reader = _readers[key] = _Reader(key)
-    try:
-        yield
-    finally:
-        stop_read_ahead(key)
-        if reader is not None:
-            reader.stop()
-
-
-def stop_read_ahead(paths: Sequence[str]) -> None:
-    """End the read-ahead of `paths` now (the merge reads them for itself from here on)."""
-    with _readers_lock:
-        reader = _readers.pop(tuple(paths), None)
-    if reader is not None:
-        reader.stop()
 
 
 def _read_ahead(paths: tuple[str, ...], budget: int, stop: threading.Event) -> None:

@@ -1,77 +1,65 @@
-"""Build a model spec in a child process, so a merge need not wait for it on its own core.
+"""Build a model spec in a child process, so that the merge need not wait for it on its own core.
 
-A spec for a config never seen imports transformers and the model's code: seconds of Python, which in
-this process would hold the GIL the merge needs. A `SpecBuild` starts a child that builds the spec
-into the spec cache while this process imports torch and reads the shards; a lookup of the same spec
-here (`load_model_spec`) waits for that child instead of building it again. When the child fails, the
-lookup builds the spec itself and reports the problem with its context. This module imports no torch.
+A spec for a config never seen imports transformers and the model's code: seconds of Python, which in the
+merge's process would hold the GIL the merge needs. A `SpecBuild` starts a child that builds the spec into
+the spec cache, holding the entry's build lock, so a lookup of the same spec anywhere waits for the child
+instead of building it again; when the child fails, the lookup builds the spec itself and reports the
+problem with its context. Imports no torch.
 
     python -m mergeflow.spec.build CONFIG_DIR [--trust-remote-code] [--value-model]
 """
 
 import argparse
+import fcntl
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mergeflow.spec import cache as spec_cache
+from mergeflow.spec import cache
 
 if TYPE_CHECKING:
     from mergeflow.spec.model_spec import ModelSpec
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CHILD_NICENESS = 19
-"""The child runs on the CPU the merge leaves idle: the spec is needed only once the weights are written."""
-
-_running: dict[str, subprocess.Popen] = {}
-"""The child last started for each spec key, so builds asked for while it runs join it."""
-_running_lock = threading.Lock()
+"""The child runs on the CPU the merge leaves idle: the spec is needed only to plan, after the imports."""
 
 
 class SpecBuild:
-    """The spec of one config directory, being built in a child process (or already cached: no child).
-
-    A build of the same spec still running in this process (the CLI's warm-up's) is joined, not repeated.
-    """
+    """The spec of one config directory, built in a child process unless it is cached or another builder
+    already holds its build lock."""
 
     def __init__(self, config_dir: Path, *, trust_remote_code: bool = False, is_value_model: bool = False):
         self.config_dir = Path(config_dir)
         self.trust_remote_code = trust_remote_code
         self.is_value_model = is_value_model
-        self._key = spec_cache.model_spec_key(
-            self.config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model
-        )
-        self._process: subprocess.Popen | None = None
-        if spec_cache.is_stored(self._key):
+        self.process: subprocess.Popen | None = None
+        key = cache.model_spec_key(self.config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model)
+        if cache.is_stored(key):
             return
-        with _running_lock:
-            running = _running.get(self._key)
-            if running is None or running.poll() is not None:
-                running = _running[self._key] = subprocess.Popen(
-                    _child_command(self.config_dir, trust_remote_code, is_value_model),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    env=_child_environment(),
-                )
-        self._process = running
-        spec_cache.build_elsewhere(self._key, self.wait)
+        with cache.open_build_lock(key) as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # being built elsewhere: a lookup waits for that build
+                return
+            self.process = subprocess.Popen(
+                _child_command(self.config_dir, trust_remote_code, is_value_model),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(lock.fileno(),),
+                env=_child_environment(),
+            )
+        # the child holds the lock (on the file description it inherited) until it exits
 
     def done(self) -> bool:
-        """Whether the spec can be looked up without waiting."""
-        return self._process is None or self._process.poll() is not None
-
-    def wait(self) -> None:
-        if self._process is not None:
-            self._process.wait()
-        spec_cache.built_elsewhere(self._key)
+        """Whether the spec can be looked up without waiting for the child."""
+        return self.process is None or self.process.poll() is not None
 
     def spec(self, *, tie_word_embedding: bool = False) -> "ModelSpec":
-        """The built spec (`mergeflow.spec.model_spec.load_model_spec`, which waits for the child)."""
+        """The built spec (`load_model_spec`, which waits for the child's lock)."""
         from mergeflow.spec.model_spec import load_model_spec  # imports torch
 
         return load_model_spec(
@@ -96,19 +84,15 @@ def _child_environment() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {__name__}", description="build a model spec into the cache"
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description="build a model spec into the cache")
     parser.add_argument("config_dir", type=Path)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args(argv)
     os.nice(CHILD_NICENESS)
-    from mergeflow.spec.model_spec import load_model_spec
+    from mergeflow.spec.model_spec import store_model_spec
 
-    load_model_spec(
-        args.config_dir, trust_remote_code=args.trust_remote_code, is_value_model=args.value_model
-    )
+    store_model_spec(args.config_dir, trust_remote_code=args.trust_remote_code, is_value_model=args.value_model)
 
 
 if __name__ == "__main__":

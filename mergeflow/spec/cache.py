@@ -1,31 +1,28 @@
 """Model specs remembered on disk, keyed by everything they are derived from.
 
-Building a spec imports transformers and the model's modeling code and builds it on the meta device:
-seconds, on every merge. Every checkpoint of a training run has the same config, so a spec is stored
-once per (config.json, remote-code files, transformers version, options) and read back on the next
-merge without importing transformers at all. `MERGEFLOW_CACHE_DIR` moves the cache (default:
-`$XDG_CACHE_HOME/mergeflow` or `~/.cache/mergeflow`); an unreadable or stale entry is rebuilt.
+Every checkpoint of a training run has the same config, so a spec is stored once per (config.json,
+remote-code files, transformers version, options) and read back on the next merge without importing
+transformers. `MERGEFLOW_CACHE_DIR` moves the cache (default: `$XDG_CACHE_HOME/mergeflow` or
+`~/.cache/mergeflow`); an unreadable or stale entry is rebuilt. Builders of the same entry, in this
+process or another, take turns on a file lock, so a spec is built once.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
 import tempfile
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 CACHE_DIR_VARIABLE = "MERGEFLOW_CACHE_DIR"
 SPEC_SUBDIR = "model-specs"
+LOCK_SUBDIR = "locks"
 FORMAT_VERSION = 2
 """Bumped whenever the stored fields or the way they are derived change."""
-
-_builder_locks: dict[str, threading.Lock] = {}
-_builds_elsewhere: dict[str, Callable[[], object]] = {}
-_builder_locks_guard = threading.Lock()
 
 
 def cache_dir() -> Path:
@@ -52,41 +49,57 @@ def model_spec_key(config_dir: Path, *, trust_remote_code: bool, is_value_model:
 
 def is_stored(key: str) -> bool:
     """Whether an entry is stored under `key` (read without building anything)."""
-    return _stored_fields(cache_dir() / SPEC_SUBDIR / f"{key}.json", ()) is not None
+    return _stored_fields(_entry_path(key), ()) is not None
 
 
-def build_elsewhere(key: str, wait: Callable[[], object]) -> None:
-    """Note that another process is building the entry `key`: a lookup that misses it calls `wait` and
-    looks again before building it a second time."""
-    _builds_elsewhere[key] = wait
+def open_build_lock(key: str) -> BinaryIO:
+    """The file whose lock a builder of entry `key` holds (open, not locked yet)."""
+    path = cache_dir() / LOCK_SUBDIR / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "ab")
 
 
-def built_elsewhere(key: str) -> None:
-    """The build noted by `build_elsewhere` has ended (stored or not)."""
-    _builds_elsewhere.pop(key, None)
+@contextlib.contextmanager
+def _turn_to_build(key: str) -> Iterator[None]:
+    """Hold the build lock of entry `key` (waiting while another builder holds it); where the cache cannot
+    be written, build without taking turns."""
+    try:
+        lock = open_build_lock(key)
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def cached_fields(key: str, build: Callable[[], dict[str, Any]], required: Iterable[str] = ()) -> dict[str, Any]:
     """The stored JSON fields under `key`, or `build()`'s, which are then stored (best effort, atomically).
 
-    An entry that is not a JSON object holding every `required` field is treated as absent.
+    A build of the same entry under way elsewhere (another thread, the child a `SpecBuild` started) is
+    waited for, not repeated. An entry that is not a JSON object holding every `required` field is treated
+    as absent.
     """
-    path = cache_dir() / SPEC_SUBDIR / f"{key}.json"
-    required = tuple(required)
+    path, required = _entry_path(key), tuple(required)
     stored = _stored_fields(path, required)
-    wait = _builds_elsewhere.get(key)
-    if stored is None and wait is not None:
-        wait()
-        stored = _stored_fields(path, required)
     if stored is not None:
         return stored
-    with _builder_lock(key):
+    with _turn_to_build(key):
         stored = _stored_fields(path, required)
         if stored is not None:
             return stored
         fields = build()
-        _store(path, fields)
+        store(key, fields)
     return fields
+
+
+def store(key: str, fields: dict[str, Any]) -> None:
+    """Store an entry (atomically, best effort: a cache that cannot be written is skipped)."""
+    _store(_entry_path(key), fields)
+
+
+def _entry_path(key: str) -> Path:
+    return cache_dir() / SPEC_SUBDIR / f"{key}.json"
 
 
 def _stored_fields(path: Path, required: tuple[str, ...]) -> dict[str, Any] | None:
@@ -97,12 +110,6 @@ def _stored_fields(path: Path, required: tuple[str, ...]) -> dict[str, Any] | No
     if isinstance(stored, dict) and all(field in stored for field in required):
         return stored
     return None
-
-
-def _builder_lock(key: str) -> threading.Lock:
-    """One lock per key: threads asking for the same spec at once (a warm-up and the flow) build it once."""
-    with _builder_locks_guard:
-        return _builder_locks.setdefault(key, threading.Lock())
 
 
 def _store(path: Path, fields: dict[str, Any]) -> None:

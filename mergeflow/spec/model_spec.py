@@ -85,7 +85,7 @@ def load_model_spec(
 ) -> ModelSpec:
     """Read config.json and build the model on the meta device to learn its tensors and ties.
 
-    The result is remembered (`mergeflow.spec_cache`): the next checkpoint with the same config is
+    The result is remembered (`mergeflow.spec.cache`): the next checkpoint with the same config is
     planned without importing transformers.
 
     Raises:
@@ -118,6 +118,13 @@ def load_model_spec(
             "drop the flag (the config decides, so that lm_head is never dropped by mistake)"
         )
     return spec
+
+
+def store_model_spec(config_dir: Path, *, trust_remote_code: bool = False, is_value_model: bool = False) -> None:
+    """Build the spec and store it in the cache, for a builder that holds the entry's build lock already
+    (`mergeflow.spec.build`'s child)."""
+    key = spec_cache.model_spec_key(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model)
+    spec_cache.store(key, _spec_fields(config_dir, trust_remote_code=trust_remote_code, is_value_model=is_value_model))
 
 
 def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: bool) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A checkpoint's merged tensors as a tensor source, read straight from the rank files (nothing written).
+"""A checkpoint's merged tensors as a tensor source, read straight from the checkpoint (nothing written).
 
 This is what `mergeflow test` compares against a reference, as verl's `test` does, but a block of
 rows at a time instead of the whole merged model in memory.
@@ -7,8 +7,8 @@ rows at a time instead of the whole merged model in memory.
 import torch
 
 from mergeflow.dtypes import parse_dtype_name
-from mergeflow.formats.fsdp.index import ShardIndex
-from mergeflow.output.materialize import open_tensors
+from mergeflow.formats.base import TensorIndex
+from mergeflow.output.materialize import PlannedTensors
 from mergeflow.planning import MergePlan
 from mergeflow.validation.model_folder import TensorInfo
 
@@ -16,10 +16,10 @@ from mergeflow.validation.model_folder import TensorInfo
 class MergedCheckpoint:
     """The tensors a merge plan would write, assembled on demand from the rank files."""
 
-    def __init__(self, plan: MergePlan, index: ShardIndex):
+    def __init__(self, plan: MergePlan, index: TensorIndex):
         self._plan = plan
         self._index = index
-        self._reader = open_tensors(index)
+        self._reader = PlannedTensors(index)
 
     def names(self) -> list[str]:
         return list(self._plan.tensors)

@@ -17,9 +17,9 @@ import torch
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
 from mergeflow.lora import ADAPTER_SUBDIR
+from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
 from mergeflow.spec.config_files import CONFIG_FILE
 from mergeflow.spec.model_spec import load_model_spec
-from mergeflow.streaming import CHUNK_BYTES, row_ranges
 from mergeflow.validation.model_folder import (
     SafetensorsFolder,
     TensorInfo,

@@ -1,8 +1,5 @@
-"""verl FSDP checkpoints: one `model_world_size_W_rank_r.pt` pickle of DTensor shards per rank.
-
-`mergeflow.fsdp_layout` finds the rank files, `index_shards` reads every rank's metadata (tensors stay
-on disk, memory-mapped); `mergeflow.rank_reader` reads their data while a merge copies them.
-"""
+"""The index of a verl FSDP checkpoint (one pickle of DTensor shards per rank): which rank blocks make up
+each global tensor, from every rank's metadata (the tensors stay on disk, memory-mapped)."""
 
 import contextlib
 import dataclasses
@@ -11,9 +8,11 @@ import math
 import os
 import pickle
 import zipfile
+from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +27,9 @@ from mergeflow.formats.fsdp.placement import (
     shard,
     unique_blocks,
 )
+
+if TYPE_CHECKING:
+    from mergeflow.formats.fsdp.reader import FsdpSource
 from mergeflow.formats.fsdp.rank_pickle import (
     MeshPosition,
     RankTensor,
@@ -53,15 +55,12 @@ class SourceTensor:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """What every rank file holds, read from metadata alone: the input of merge planning."""
+    """What every rank file holds, read from metadata alone: the FSDP backend's `TensorIndex`."""
 
     checkpoint_dir: str
     world_size: int
@@ -72,6 +71,21 @@ class ShardIndex:
     aliases: dict[str, str]
     """Names whose tensor shares storage with an earlier name (tied weights), mapped to that name."""
     fsdp_version: int | None = None
+    loaded: "LoadedRanks" = field(default_factory=lambda: LoadedRanks(), compare=False, repr=False)
+
+    def facts(self) -> dict[str, object]:
+        return {
+            "fsdp_version": self.fsdp_version,
+            "mesh_shape": list(self.mesh_shape),
+            "mesh_dim_names": list(self.mesh_dim_names) if self.mesh_dim_names else None,
+            "placements": dict(Counter(",".join(t.placements) or "plain" for t in self.tensors.values())),
+        }
+
+    def open(self) -> "FsdpSource":
+        """A reader of the global tensors' rows, out of the rank files this index loaded."""
+        from mergeflow.formats.fsdp.reader import FsdpSource
+
+        return FsdpSource(self)
 
 
 @contextlib.contextmanager
@@ -169,28 +183,32 @@ def _strip_wrappers(key: str) -> str:
     return key
 
 
-_handoff: dict[str, tuple[tuple[int, int], dict[str, RankTensor]]] = {}
-"""The rank states `index_shards` loaded last, left for the reader of the same files to take:
-unpickling every rank file twice (once to plan, once to copy) would cost seconds on large checkpoints.
-Only one checkpoint's mappings are kept; a file that changed since is loaded again."""
+class LoadedRanks:
+    """The rank files' states as `index_shards` loaded them (memory-mapped), for the readers of the same
+    merge: unpickling every rank file once to plan and again to copy would cost seconds on large
+    checkpoints. A file changed since is loaded again; pickled (for a worker process), it is empty."""
+
+    def __init__(self, states: dict[str, tuple[tuple[int, int], dict[str, RankTensor]]] | None = None):
+        self._states = states or {}
+
+    @classmethod
+    def of(cls, rank_files: RankFiles, states: list[dict[str, RankTensor]]) -> "LoadedRanks":
+        return cls({path: (_file_identity(path), state) for path, state in zip(rank_files.paths, states, strict=True)})
+
+    def state(self, path: str) -> dict[str, RankTensor]:
+        """The rank file's state: as loaded, or loaded now."""
+        identity, state = self._states.get(path, (None, None))
+        if state is not None and identity == _file_identity(path):
+            return state
+        return load_rank_state(path)
+
+    def __reduce__(self):
+        return LoadedRanks, ()
 
 
 def _file_identity(path: str) -> tuple[int, int]:
     stat = os.stat(path)
     return stat.st_size, stat.st_mtime_ns
-
-
-def _hand_off(rank_files: RankFiles, states: list[dict[str, RankTensor]]) -> None:
-    _handoff.clear()
-    for path, state in zip(rank_files.paths, states, strict=True):
-        _handoff[path] = (_file_identity(path), state)
-
-
-def take_or_load(path: str) -> dict[str, RankTensor]:
-    identity, state = _handoff.pop(path, (None, None))
-    if state is not None and identity == _file_identity(path):
-        return state
-    return load_rank_state(path)
 
 
 def index_shards(rank_files: RankFiles) -> ShardIndex:
@@ -203,7 +221,6 @@ def index_shards(rank_files: RankFiles) -> ShardIndex:
     states = [load_rank_state(path) for path in rank_files.paths]
     names = list(states[0])
     _check_same_keys(states, rank_files)
-    _hand_off(rank_files, states)
     mesh_shape, mesh_dim_names, coordinates = _mesh_of(states, rank_files)
     tensors = {name: _source_tensor(name, states, rank_files, mesh_shape, coordinates) for name in names}
     return ShardIndex(
@@ -215,6 +232,7 @@ def index_shards(rank_files: RankFiles) -> ShardIndex:
         tensors=tensors,
         aliases=_storage_aliases(states[0]),
         fsdp_version=rank_files.fsdp_version,
+        loaded=LoadedRanks.of(rank_files, states),
     )
 
 

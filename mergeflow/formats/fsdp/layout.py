@@ -1,14 +1,16 @@
-"""Where an FSDP checkpoint's rank files are, checked to be complete (reads names, no tensor data).
-
-Imports no torch, so a merge can start reading the files ahead before the heavy imports are done.
-"""
+"""Where an FSDP checkpoint's rank files are, checked to be complete (names only: imports no torch)."""
 
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError, quoted
+
+if TYPE_CHECKING:
+    from mergeflow.formats.fsdp.index import ShardIndex
+    from mergeflow.spec.model_spec import ModelSpec
 
 FSDP_CONFIG_FILE = "fsdp_config.json"
 HF_SUBDIR = "huggingface"
@@ -38,6 +40,21 @@ class RankFiles:
     def data_files(self) -> tuple[str, ...]:
         """The files holding tensor data: the rank files themselves."""
         return self.paths
+
+    @property
+    def config_dir(self) -> str:
+        return str(default_config_dir(Path(self.checkpoint_dir)))
+
+    @property
+    def model_dir(self) -> None:
+        """An FSDP checkpoint always needs merging."""
+        return None
+
+    def index(self, spec: "ModelSpec | None" = None) -> "ShardIndex":
+        """Every rank's tensors, from the rank files' metadata (the spec is not needed: names are stored)."""
+        from mergeflow.formats.fsdp.index import index_shards
+
+        return index_shards(self)
 
 
 def detect(checkpoint_dir: Path) -> bool:

@@ -1,12 +1,6 @@
-"""Read a rank file's pickle into plain records, with no code from the file and without torch's unpickler.
-
-`torch.load(weights_only=True)` is safe but slow on DTensor checkpoints: its unpickler is pure Python,
-and DTensors need `torch.distributed.tensor` imported (most of a second). A rank file's pickle only
-describes tensors; this reads it with the C unpickler, resolving each global it names to a record
-class of ours (never to the class it names), and memory-maps the tensor data itself. A pickle that
-names anything else, or a layout this does not know, raises `UnknownPickle` and the caller falls back to
-`torch.load(weights_only=True)`.
-"""
+"""Read a rank file's pickle into plain records: the C unpickler, with every global the file names resolved to
+a record class of ours (nothing named by the file is called), and the tensor data memory-mapped. A pickle
+naming anything else raises `UnknownPickle`, and the caller falls back to `torch.load(weights_only=True)`."""
 
 import io
 import math

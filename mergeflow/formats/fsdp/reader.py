@@ -1,23 +1,18 @@
-"""Read tensor data out of rank files: explicit `pread`s at each tensor's offset in the file.
-
-Loading a rank file (`fsdp.load_rank_state`) maps it and records where each tensor's bytes lie in
-the (uncompressed) zip archive. Copying out of the mapping reads the file through page faults: slow on
-a cold page cache, and every touched page counts in RSS. The reader instead reads at those offsets
-with large `preadv` calls into buffers that are freed as soon as a chunk is written. A tensor
-whose offset cannot be established (a compressed record, a non-contiguous view) is copied out of
-the mapping instead, and its pages are dropped right after.
-"""
+"""Reading an FSDP checkpoint's tensors: rows of each rank's local tensor, read at their offsets in the rank
+file (and checked against its CRC-32s), and the global tensor's rows assembled from the rank blocks
+that hold them."""
 
 import functools
 import mmap
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
 from mergeflow.errors import CheckpointError, quoted
-from mergeflow.formats.fsdp.index import CORRUPT_HINT, take_or_load
+from mergeflow.formats.fsdp.index import CORRUPT_HINT, LoadedRanks, ShardIndex, SourceTensor
 from mergeflow.formats.fsdp.placement import Block
 from mergeflow.formats.fsdp.rank_pickle import RankTensor
 from mergeflow.formats.record_check import RecordCheck, RecordCorrupt
@@ -27,6 +22,82 @@ ALIGNMENT = 4096
 STAGING_BYTES = 16 * 1024 * 1024
 DIRECT_GAP_BYTES = 1024 * 1024
 """Cached data between two uncached runs shorter than this is read from disk with them, in one request."""
+BLOCK_READERS = 4
+"""Rank blocks of one row range read at once, each on its own thread with its own staging buffer: the disk
+serves several requests in flight faster than the same requests one after another."""
+
+CopyRows = Callable[[Block, int, int, torch.Tensor], None]
+"""`copy_rows(block, start, stop, into)`: copy rows `[start, stop)` of the block's local tensor into `into`
+(casting to its dtype). Rows count from the block's first row; a 0-d tensor is copied whole."""
+
+
+class FsdpSource:
+    """Rows of an FSDP checkpoint's global tensors (the FSDP backend's `TensorSource`), copied from the rank
+    blocks that hold them, several blocks at once."""
+
+    def __init__(self, index: ShardIndex):
+        self._index = index
+        self._reader = RankReader(index.rank_files, index.loaded)
+        self._pool = ThreadPoolExecutor(BLOCK_READERS, thread_name_prefix="mergeflow-block")
+
+    def rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        source = self._index.tensors[name]
+        copy_rows = self._reader.copy_rows_of(name)
+        if not source.shape:
+            scalar = torch.empty((), dtype=dtype)
+            copy_rows(source.blocks[0], 0, 0, scalar)
+            return scalar
+        return assemble_rows(source, start, stop, dtype, copy_rows, self._pool)
+
+    def verify(self) -> None:
+        self._reader.verify()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self._reader.close()
+
+
+def assemble_rows(
+    source: SourceTensor,
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+    copy_rows: CopyRows,
+    pool: ThreadPoolExecutor | None = None,
+) -> torch.Tensor:
+    """Rows `[start, stop)` of the global tensor, cast to `dtype`, copied from the blocks that hold them (on
+    `pool`'s threads when several do)."""
+    out = torch.empty((stop - start, *source.shape[1:]), dtype=dtype)
+    copies = []
+    for block in source.blocks:
+        first_row, rows = block.offset[0], block.shape[0]
+        low, high = max(start, first_row), min(stop, first_row + rows)
+        if low >= high:
+            continue
+        target = out[low - start : high - start]
+        for dim in range(1, len(source.shape)):
+            target = target.narrow(dim, block.offset[dim], block.shape[dim])
+        copies.append((block, low - first_row, high - first_row, target))
+    _copy_blocks(copy_rows, copies, pool)
+    return out
+
+
+def _copy_blocks(
+    copy_rows: CopyRows, copies: list[tuple[Block, int, int, torch.Tensor]], pool: ThreadPoolExecutor | None
+) -> None:
+    """Run the copies, at once where there are several; the first error is raised once none is running."""
+    if pool is None or len(copies) < 2:
+        for copy in copies:
+            copy_rows(*copy)
+        return
+    futures = [pool.submit(copy_rows, *copy) for copy in copies]
+    _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in pending:
+        future.cancel()
+    wait(pending)
+    for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            raise future.exception()
 
 
 class RankReader:
@@ -34,18 +105,16 @@ class RankReader:
 
     Rows whose pages are in the page cache (`mincore` on the mapping: a checkpoint just written or
     read) are copied straight out of the mapping, whose pages are dropped afterwards. The runs of rows
-    that are not (a cold checkpoint, or the pages the kernel evicted from a warm one) are read with
-    O_DIRECT, in large aligned requests that skip the page cache: on the machines
-    measured, buffered cold reads cost the kernel more CPU than the merge itself and halved
-    throughput while the output was being written.
+    that are not are read with O_DIRECT, in large aligned requests that skip the page cache.
 
     Every byte read is checked against the CRC-32 of the zip record it belongs to (`verify`, which a
     merge calls before it keeps what it wrote). Rows of different ranks can be read at the same time from
     different threads (each has its own staging buffer).
     """
 
-    def __init__(self, rank_files: tuple[str, ...]):
+    def __init__(self, rank_files: tuple[str, ...], loaded: LoadedRanks | None = None):
         self._rank_files = rank_files
+        self._loaded = loaded or LoadedRanks()
         self._states: dict[int, dict[str, RankTensor]] = {}
         self._direct_fds: dict[int, int | None] = {}
         self._checks: dict[tuple[int, str], RecordCheck] = {}
@@ -151,7 +220,7 @@ class RankReader:
                 return
             path = self._rank_files[rank]
             self._direct_fds[rank] = _open_direct(path)
-            self._states[rank] = take_or_load(path)
+            self._states[rank] = self._loaded.state(path)
 
     def close(self) -> None:
         for fd in self._direct_fds.values():

@@ -1,14 +1,16 @@
-"""Where a Megatron checkpoint's parts are, in either of verl's layouts (reads names, no tensor data).
-
-Imports no torch, so a merge can start reading the archive ahead before the heavy imports are done.
-"""
+"""Where a Megatron checkpoint's parts are, in either of verl's layouts (names only: imports no torch)."""
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError
 from mergeflow.formats.fsdp.layout import HF_SUBDIR, ROLE_SUBDIRS
+
+if TYPE_CHECKING:
+    from mergeflow.formats.megatron.index import MegatronIndex
+    from mergeflow.spec.model_spec import ModelSpec
 
 METADATA_FILE = ".metadata"
 """The torch_dist archive's index (PyTorch DCP)."""
@@ -40,6 +42,21 @@ class MegatronLayout:
         if self.dist_ckpt_dir is None or self.hf_weights:
             return ()
         return tuple(sorted(str(path) for path in Path(self.dist_ckpt_dir).iterdir() if DATA_FILE.match(path.name)))
+
+    @property
+    def config_dir(self) -> str:
+        return self.hf_dir
+
+    @property
+    def model_dir(self) -> str | None:
+        """`huggingface/` when it already holds the model's weights (an mbridge run): nothing to merge."""
+        return self.hf_dir if self.hf_weights else None
+
+    def index(self, spec: "ModelSpec") -> "MegatronIndex":
+        """The archive's tensors under Hugging Face names, from `.metadata` and the config's geometry."""
+        from mergeflow.formats.megatron.index import index_megatron
+
+        return index_megatron(self, spec)
 
 
 def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:

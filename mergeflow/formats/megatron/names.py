@@ -1,0 +1,256 @@
+"""How megatron-core names a model's tensors, mapped onto the names Hugging Face's `save_pretrained` writes:
+one table line per key template (`{layer}`, `{expert}`), and the small functions that locate a stored
+key's layers and experts and split its fused tensors (QKV per query group, gate|up)."""
+
+import itertools
+import re
+from dataclasses import dataclass
+
+import torch
+
+from mergeflow.errors import PlanError
+from mergeflow.formats.megatron.dcp import StoredTensor
+
+LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
+"""A decoder-layer key: stacked (no index, layers on the first axis) or one layer's (`decoder.layers.3.`)."""
+EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
+"""Routed experts: on an axis of their own (no index) or one key per expert (`.experts.experts.7.`)."""
+TRAINING_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
+"""Optimizer state (Adam moments, fp32 master weights) that verl's 2025 layout saved in the same archive."""
+GLU_HALF = re.compile(r"^(.+)_([wv])$")
+"""fc1 stored as its gate (`_w`) and up (`_v`) halves, as megatron-core writes singleton shards."""
+
+COPY, VOCAB, Q, K, V, GATE, UP = "copy", "vocab", "q", "k", "v", "gate", "up"
+HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
+    "embedding.word_embeddings.weight": [("model.embed_tokens.weight", VOCAB)],
+    "decoder.final_layernorm.weight": [("model.norm.weight", COPY)],
+    "output_layer.weight": [("lm_head.weight", VOCAB)],
+    "decoder.layers.{layer}.self_attention.linear_qkv.layer_norm_weight": [
+        ("model.layers.{layer}.input_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.input_layernorm.weight": [("model.layers.{layer}.input_layernorm.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_qkv.weight": [
+        ("model.layers.{layer}.self_attn.q_proj.weight", Q),
+        ("model.layers.{layer}.self_attn.k_proj.weight", K),
+        ("model.layers.{layer}.self_attn.v_proj.weight", V),
+    ],
+    "decoder.layers.{layer}.self_attention.linear_qkv.bias": [
+        ("model.layers.{layer}.self_attn.q_proj.bias", Q),
+        ("model.layers.{layer}.self_attn.k_proj.bias", K),
+        ("model.layers.{layer}.self_attn.v_proj.bias", V),
+    ],
+    "decoder.layers.{layer}.self_attention.q_layernorm.weight": [("model.layers.{layer}.self_attn.q_norm.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.k_layernorm.weight": [("model.layers.{layer}.self_attn.k_norm.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_proj.weight": [("model.layers.{layer}.self_attn.o_proj.weight", COPY)],
+    "decoder.layers.{layer}.mlp.linear_fc1.layer_norm_weight": [
+        ("model.layers.{layer}.post_attention_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.pre_mlp_layernorm.weight": [("model.layers.{layer}.post_attention_layernorm.weight", COPY)],
+    "decoder.layers.{layer}.mlp.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.linear_fc2.weight": [("model.layers.{layer}.mlp.down_proj.weight", COPY)],
+}
+"""Dense decoders (Llama, Mistral, Qwen2, Qwen3), and the attention and norms of every model."""
+
+QWEN_MOE: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.mlp.gate.weight", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": [
+        ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.shared_expert.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.shared_expert.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight": [
+        ("model.layers.{layer}.mlp.shared_expert.down_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.gate_weight": [("model.layers.{layer}.mlp.shared_expert_gate.weight", COPY)],
+}
+"""Qwen2-MoE (shared expert and its sigmoid gate) and Qwen3-MoE (routed experts only)."""
+
+MIXTRAL_MOE: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.block_sparse_moe.gate.weight", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": [
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight", GATE),
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": [
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight", COPY)
+    ],
+}
+
+MLA: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.self_attention.linear_q_proj.weight": [("model.layers.{layer}.self_attn.q_proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_q_down_proj.weight": [
+        ("model.layers.{layer}.self_attn.q_a_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_q_up_proj.weight": [("model.layers.{layer}.self_attn.q_b_proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_q_up_proj.layer_norm_weight": [
+        ("model.layers.{layer}.self_attn.q_a_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.q_layernorm.weight": [
+        ("model.layers.{layer}.self_attn.q_a_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight": [
+        ("model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_kv_up_proj.weight": [
+        ("model.layers.{layer}.self_attn.kv_b_proj.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.linear_kv_up_proj.layer_norm_weight": [
+        ("model.layers.{layer}.self_attn.kv_a_layernorm.weight", COPY)
+    ],
+    "decoder.layers.{layer}.self_attention.kv_layernorm.weight": [
+        ("model.layers.{layer}.self_attn.kv_a_layernorm.weight", COPY)
+    ],
+}
+"""Multi-latent attention (DeepSeek-V3): low-rank q (or one q_proj without q_lora_rank) and kv projections
+with their norms, stored by megatron-core in the HF layout (per head: no-RoPE part, then RoPE part)."""
+
+DEEPSEEK_MOE: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.mlp.gate.weight", COPY)],
+    "decoder.layers.{layer}.mlp.router.expert_bias": [("model.layers.{layer}.mlp.gate.e_score_correction_bias", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": QWEN_MOE[
+        "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight"
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": QWEN_MOE[
+        "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight"
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.shared_experts.gate_proj.weight", GATE),
+        ("model.layers.{layer}.mlp.shared_experts.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.shared_experts.linear_fc2.weight": [
+        ("model.layers.{layer}.mlp.shared_experts.down_proj.weight", COPY)
+    ],
+}
+"""DeepSeek-V3's router with its expert bias (aux-loss-free balancing) and its ungated shared experts."""
+
+TABLES_BY_MODEL_TYPE = {
+    "qwen2_moe": QWEN_MOE,
+    "qwen3_moe": QWEN_MOE,
+    "mixtral": MIXTRAL_MOE,
+    "deepseek_v3": {**MLA, **DEEPSEEK_MOE},
+}
+"""What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
+DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys()
+VALUE_HEAD = ("score.weight", COPY)
+"""A value model's `output_layer` (one output) is its `score` head."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the fused tensors need from the HF config."""
+
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int
+
+
+def mapping_table(model_type: str) -> dict[str, list[tuple[str, str]]]:
+    """mcore key template -> the HF tensors it holds, for one model type."""
+    return {**HF_FROM_MEGATRON, **TABLES_BY_MODEL_TYPE.get(model_type, {})}
+
+
+def geometry_of(config) -> Geometry:
+    return Geometry(
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        num_experts=getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0,
+    )
+
+
+def targets(template: str, table: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]] | None:
+    """The HF tensors of a key template; a `_w`/`_v` half of a fused gate|up is its gate or up tensor."""
+    if template in table:
+        return table[template]
+    half = GLU_HALF.match(template)
+    fused = table.get(half[1]) if half else None
+    if fused is None or [part for _, part in fused] != [GATE, UP]:
+        return None
+    gate, up = fused
+    return [(gate[0] if half[2] == "w" else up[0], COPY)]
+
+
+def locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list[tuple[tuple[int, ...], dict[str, int]]]]:
+    """The table template of a stored key, and each (layer, expert) it holds: the indices into its stacked
+    axes and the fields that name the HF tensor.
+
+    Raises:
+        PlanError: a stacked axis whose length is not the config's number of layers or experts.
+    """
+    layers = LAYERS.match(key)
+    if layers is None:
+        return key, [((), {})]
+    rest = key[layers.end() :]
+    fields: dict[str, int] = {}
+    stacked: list[tuple[str, int]] = []
+    if layers[1] is not None:
+        fields["layer"] = int(layers[1])
+    else:
+        stacked.append(("layer", geometry.num_layers))
+    experts = EXPERTS.search(rest)
+    if experts:
+        rest = f"{rest[: experts.start()]}.experts.{{expert}}.{rest[experts.end() :]}"
+        if experts[1] is not None:
+            fields["expert"] = int(experts[1])
+        else:
+            stacked.append(("expert", geometry.num_experts))
+    expected = tuple(size for _, size in stacked)
+    if entry.shape[: len(stacked)] != expected:
+        axes = " x ".join(f"{size} {axis}s" for axis, size in stacked)
+        raise PlanError(f"{key} has shape {entry.shape}: expected {axes} first, as the config says")
+    placements = [
+        (leading, {**fields, **{axis: index for (axis, _), index in zip(stacked, leading, strict=True)}})
+        for leading in itertools.product(*(range(size) for size in expected))
+    ]
+    return f"decoder.layers.{{layer}}.{rest}", placements
+
+
+def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) -> tuple[int, ...]:
+    rows, tail = shape[0], shape[1:]
+    if part in (Q, K, V):
+        per_group = geometry.num_heads // geometry.num_query_groups
+        expected = geometry.num_query_groups * (per_group + 2) * geometry.head_dim
+        if rows != expected:
+            raise PlanError(
+                f"{key} has {rows} rows, but {geometry.num_heads} heads in {geometry.num_query_groups} query "
+                f"groups of head_dim {geometry.head_dim} make {expected}"
+            )
+        heads = per_group * geometry.num_query_groups if part == Q else geometry.num_query_groups
+        return (heads * geometry.head_dim, *tail)
+    if part in (GATE, UP):
+        return (rows // 2, *tail)
+    if part == VOCAB:
+        return (min(rows, geometry.vocab_size), *tail)
+    return shape
+
+
+def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tensor:
+    """The HF tensor `part` of one layer of a stored tensor."""
+    if part == COPY:
+        return value
+    if part == VOCAB:
+        return value[: geometry.vocab_size]
+    if part in (GATE, UP):
+        half = value.shape[0] // 2
+        return value[:half] if part == GATE else value[half:]
+    per_group = geometry.num_heads // geometry.num_query_groups
+    groups = value.reshape(geometry.num_query_groups, per_group + 2, geometry.head_dim, *value.shape[1:])
+    picked = {Q: groups[:, :per_group], K: groups[:, per_group], V: groups[:, per_group + 1]}[part]
+    return picked.reshape(-1, *value.shape[1:])
+
+
