@@ -323,6 +323,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of runs per model (default {ROUNDS})")
     args = parser.parse_args()
     os.environ["PREFECT_HOME"] = str(args.workdir / "prefect-home")
+    os.environ.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
     os.environ.pop("PREFECT_API_URL", None)
     with running_prefect_server(args.workdir / "prefect-server.log") as server_url:
         results = [

@@ -28,6 +28,7 @@ class ServeOptions:
     run_dirs: list[str]
     output_dir: str
     dtype: str = DEFAULT_DTYPE
+    quantize: str | None = None
     hf_upload_path: str | None = None
     private: bool = False
     hf_token_secret: str | None = None
@@ -62,14 +63,17 @@ def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
     on_checkpoint = merge_flow.to_deployment(
         name=MERGE_DEPLOYMENT,
         triggers=[checkpoint_trigger(options)],
-        parameters={"dtype": options.dtype, "progress": False, **upload},
+        parameters={"dtype": options.dtype, "quantize": options.quantize, "progress": False, **upload},
         concurrency_limit=limit,
         description="Merge a verl checkpoint when the watcher announces it.",
     )
     schedule = {"cron": options.schedule} if options.schedule else {"interval": DEFAULT_SWEEP_INTERVAL_SECONDS}
     sweep = sweep_checkpoints.to_deployment(
         name=SWEEP_DEPLOYMENT,
-        parameters={"run_dirs": options.run_dirs, "output_dir": options.output_dir, "dtype": options.dtype, **upload},
+        parameters={
+            "run_dirs": options.run_dirs, "output_dir": options.output_dir, "dtype": options.dtype,
+            "quantize": options.quantize, **upload,
+        },
         concurrency_limit=1,
         description="Merge every complete checkpoint not merged yet.",
         **schedule,

@@ -4,8 +4,17 @@
 `mergeflow.flows`, the command in `mergeflow.cli`."""
 
 __version__ = "0.1.0"
-
-from mergeflow.job import MergeJob
-from mergeflow.options import MergeOptions
-
 __all__ = ["MergeJob", "MergeOptions", "__version__"]
+
+
+def __getattr__(name: str):
+    """The public names, imported when first used (so that `import mergeflow` stays light)."""
+    if name == "MergeJob":
+        from mergeflow.job import MergeJob
+
+        return MergeJob
+    if name == "MergeOptions":
+        from mergeflow.options import MergeOptions
+
+        return MergeOptions
+    raise AttributeError(f"module 'mergeflow' has no attribute {name!r}")

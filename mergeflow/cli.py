@@ -22,6 +22,7 @@ from mergeflow.options import (
     DEFAULT_TARGET_DIR,
     DTYPE_NAMES,
     MAX_SHARD_SIZE,
+    QUANTIZE_CHOICES,
     MergeOptions,
     check_repo_id,
 )
@@ -115,6 +116,15 @@ def _add_dtype_option(parser: argparse.ArgumentParser, default: str | None, help
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=default, help=help)
 
 
+def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default=None,
+        help="store the linear layers' weights in FP8 with 128x128 block scales, as vLLM and SGLang load them",
+    )
+
+
 def _add_task_runner_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task-runner",
@@ -129,6 +139,7 @@ def _add_automation_options(parser: argparse.ArgumentParser) -> None:
     """Options of merges nobody types by hand: where models go, their dtype, and the upload."""
     parser.add_argument("--output", dest="output_dir", required=True, help="merged models go to OUTPUT/<run>/global_step_N/<role>")
     _add_dtype_option(parser, DEFAULT_DTYPE, "dtype of floating tensors in the output (default: bf16, as verl)")
+    _add_quantize_option(parser)
     parser.add_argument("--upload", dest="hf_upload_path", default=None, metavar="USER/NAME", help="upload each merged model")
     parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
     parser.add_argument(
@@ -167,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace a non-empty target (an earlier merge's output or an ordinary folder, never training files)",
     )
+    _add_quantize_option(merge)
     merge.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     merge.add_argument(
         "--no-cache",
@@ -302,6 +314,7 @@ def merge_options(args: argparse.Namespace) -> MergeOptions:
         merge_lora=args.merge_lora,
         lora_alpha=args.lora_alpha,
         base_model=args.base_model,
+        quantize=args.quantize,
     )
 
 
@@ -310,9 +323,8 @@ def run_merge(args: argparse.Namespace) -> int:
 
     options = merge_options(args)
     job = MergeJob(args.local_dir, args.target_dir, options)
-    with _prefect(allow_temporary=True) as server:
-        job.warm_up()  # the disk reads ahead, and a new config's spec builds, while Prefect is imported
-        job.write_ahead()  # and the weight files are written while a temporary server comes up
+    with _prefect(allow_temporary=True) as server, job.writing_ahead():
+        # a child reads ahead, builds a new config's spec and writes the weight files while Prefect starts
         from mergeflow.flows.merge import merge_checkpoint
         from mergeflow.flows.task_runners import task_runner_from
 
@@ -435,6 +447,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
                 output_dir=str(Path(args.output_dir).absolute()),
                 dtype=args.dtype,
+                quantize=args.quantize,
                 hf_upload_path=args.hf_upload_path,
                 private=args.private,
                 hf_token_secret=args.hf_token_secret,
@@ -457,6 +470,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
             output_dir=str(Path(args.output_dir).absolute()),
             dtype=args.dtype,
+            quantize=args.quantize,
             hf_upload_path=args.hf_upload_path,
             private=args.private,
             hf_token_secret=args.hf_token_secret,

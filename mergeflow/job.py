@@ -3,16 +3,22 @@
 The pipeline's steps are methods that return small manifests (the flow's tasks pass these on, so Prefect
 draws the graph); the state the steps share (the spec, the index with its mapped rank files, the plan)
 stays in this object, built when first needed. The speed machinery is here too: `warm_up` reads the
-checkpoint ahead and builds a new config's spec in a child process, and `write_ahead` writes the weight
-files into the staging folder before Prefect is up; the flow's own shard steps then find them written
-and keep them (`output.save.write_shard`). Imports no torch until a step needs it.
+checkpoint ahead and builds a new config's spec in a child process, and `writing_ahead` has a child process
+write the weight files into the staging folder while Prefect starts; the flow's own shard steps then find
+them written and keep them (`output.save.write_shard`). Imports no torch until a step needs it.
 """
 
+import contextlib
 import dataclasses
 import functools
+import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,12 +27,13 @@ from mergeflow.fingerprint import MergeKey, merge_key
 from mergeflow.formats import find_checkpoint
 from mergeflow.formats.base import Layout
 from mergeflow.options import MergeOptions
+from mergeflow.output.shard_locks import WRITERS_LOCK, open_to_writers, shard_writers
 from mergeflow.output.staging import staging_dir_of
 from mergeflow.output.streaming import CHUNK_BYTES
 from mergeflow.perf.read_ahead import ReadAhead
 from mergeflow.run_layout import protected_paths
 from mergeflow.spec import cache as spec_cache
-from mergeflow.spec.build import SpecBuild
+from mergeflow.spec.build import SpecBuild, child_environment
 
 if TYPE_CHECKING:
     from mergeflow.formats.base import TensorIndex
@@ -182,6 +189,8 @@ class MergeJob:
         if self.target_dir is not None:
             check_target(Path(self.target_dir), overwrite=replace, protected=self.protected())
         plan, adapter = self.merge_plan()
+        if self.target_dir is not None:
+            self.staging_dir.mkdir(parents=True, exist_ok=True)
         weights = plan if plan is not None else adapter.weights
         return PlanMade(
             weight_files={
@@ -201,7 +210,6 @@ class MergeJob:
         from mergeflow.output.save import write_shard
 
         plan, _ = self.merge_plan()
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
         return write_shard(
             plan, self.index(), self.staging_dir, filename, chunk_bytes=self.chunk_bytes, on_bytes=on_bytes
         )
@@ -238,6 +246,8 @@ class MergeJob:
             reference_dir=Path(test_hf_dir) if test_hf_dir else None,
             check_logits=check_logits,
             shown_as=self.target_dir,
+            fp8_errors=saved.fp8_errors,
+            fp8_outside=saved.fp8_outside,
         )
 
     def compare(self, test_hf_dir: str, *, atol: float = 0.0, rtol: float = 0.0) -> "ValidationReport":
@@ -264,6 +274,7 @@ class MergeJob:
         """README.md with the merge's facts, unless the checkpoint brought its own model card."""
         from mergeflow.hub import training_step
         from mergeflow.lora import describe_lora
+        from mergeflow.output.fp8 import FP8_DESCRIPTION
         from mergeflow.output.model_card import MergeFacts, write_model_card
 
         lora = None if self.layout().model_dir else self.lora()
@@ -277,6 +288,7 @@ class MergeJob:
             validation=report.verdict(),
             lora=describe_lora(lora) if lora is not None else None,
             base_model=self.options.base_model,
+            quantization=FP8_DESCRIPTION if self.options.quantize == "fp8" else None,
         )
         path = write_model_card(Path(saved.target_dir), facts)
         return str(path) if path is not None else None
@@ -331,28 +343,49 @@ class MergeJob:
         except Exception:
             return
 
-    def write_ahead(self) -> threading.Thread:
-        """Write the weight files into the staging folder on a background thread, for a target not written
-        yet, while the caller waits for Prefect; a problem is left for the flow's steps to report."""
-        thread = threading.Thread(target=self._write_ahead, name="mergeflow-write-ahead", daemon=True)
-        thread.start()
-        return thread
-
-    def _write_ahead(self) -> None:
-        from mergeflow.output.save import shard_writers
-
-        try:
-            if self._target_written():
-                return
-            plan, _ = self.merge_plan()
-            if plan is None:
-                return
-            self.staging_dir.mkdir(parents=True, exist_ok=True)
-            with shard_writers(self.staging_dir):
-                for filename in plan.shard_to_names:
-                    self.write_shard(filename)
-        except Exception:
+    @contextlib.contextmanager
+    def writing_ahead(self) -> Iterator[None]:
+        """Have a child process (which first warms up) write the weight files into the staging folder while
+        the block runs: the caller imports Prefect and waits for its server, and the child writes on a core
+        of its own, without sharing this process's GIL. Only for a target not written yet; the child stops
+        when the block ends or the staging folder goes (the flow removes it when it fails, renames it when it
+        publishes) and leaves problems for the flow's steps to report."""
+        if self._target_written():
+            yield
             return
+        open_to_writers(self.staging_dir)
+        arguments = {
+            "local_dir": self.local_dir,
+            "target_dir": self.target_dir,
+            "options": dataclasses.asdict(self.options),
+            "parent": os.getpid(),
+        }
+        child = subprocess.Popen(
+            [sys.executable, "-m", __name__, json.dumps(arguments)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=child_environment(),
+        )
+        try:
+            yield
+        finally:
+            child.terminate()
+            child.wait()
+            _remove_if_unused(self.staging_dir)
+
+    def write_weights(self, parent: int) -> None:
+        """Warm up, then write the weight files into the staging folder while it is open to writers and
+        process `parent` lives (what `writing_ahead`'s child does)."""
+        self.warm_up()
+        plan, _ = self.merge_plan()
+        if plan is None:
+            return
+        with shard_writers(self.staging_dir):
+            for filename in plan.shard_to_names:
+                if os.getppid() != parent:
+                    return
+                self.write_shard(filename)
 
     def _target_written(self) -> bool:
         """Whether the target holds files already (a cache hit, or a folder to replace): nothing to prepare."""
@@ -417,7 +450,12 @@ class MergeJob:
                 plan = None
                 if lora is None or not lora.lora_only:
                     plan = plan_merge(
-                        self.index(), self.spec(), dtype=options.dtype, max_shard_size=options.max_shard_size, lora=lora
+                        self.index(),
+                        self.spec(),
+                        dtype=options.dtype,
+                        max_shard_size=options.max_shard_size,
+                        lora=lora,
+                        quantize=options.quantize,
                     )
                 self._plan = (plan, adapter)
             return self._plan
@@ -435,3 +473,25 @@ class MergeJob:
 
     def close(self) -> None:
         self._stop_read_ahead()
+
+
+def _remove_if_unused(staging_dir: Path) -> None:
+    """Remove a staging folder that holds nothing but its writers' lock (the flow never got to use it)."""
+    with contextlib.suppress(OSError):
+        (staging_dir / WRITERS_LOCK).unlink()
+        staging_dir.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mergeflow.job ARGUMENTS_JSON`: `writing_ahead`'s child."""
+    arguments = json.loads((argv or sys.argv[1:])[0])
+    job = MergeJob(arguments["local_dir"], arguments["target_dir"], MergeOptions(**arguments["options"]))
+    try:
+        job.write_weights(arguments["parent"])
+    except Exception:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,8 @@ DTYPE_NAMES = ("bf16", "fp16", "fp32", "keep")
 DEFAULT_DTYPE = "bf16"
 """verl's merger writes bf16."""
 MAX_SHARD_SIZE = "5GB"
+QUANTIZE_CHOICES = ("fp8",)
+"""`--quantize` choices: FP8 weights with 128×128 block scales (`output.fp8`)."""
 DEFAULT_TARGET_DIR = "tmp"
 """verl's merger writes to ./tmp when no --target_dir is given."""
 
@@ -27,6 +29,12 @@ class MergeOptions:
     merge_lora: bool = False
     lora_alpha: float | None = None
     base_model: str | None = None
+    quantize: str | None = None
+
+
+def check_quantize(quantize: str) -> None:
+    if quantize not in QUANTIZE_CHOICES:
+        raise OptionError(f"unknown quantization '{quantize}': choose one of {', '.join(QUANTIZE_CHOICES)}")
 
 
 def check_dtype(dtype: str) -> None:

@@ -3,6 +3,7 @@
 Pure functions over names, shapes and sizes: no I/O and no tensor data.
 """
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable
@@ -15,7 +16,8 @@ from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, pars
 from mergeflow.errors import OptionError, PlanError, quoted
 from mergeflow.formats.base import StoredTensor, TensorIndex
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
-from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype
+from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype, check_quantize
+from mergeflow.output import fp8
 from mergeflow.spec.model_spec import ModelSpec, SavedView
 
 if TYPE_CHECKING:
@@ -38,6 +40,10 @@ class OutputTensor:
     """A LoRA to fold into this weight as it is written."""
     view: SavedView | None = None
     """Where this tensor lies in the source, when it is a part of it (one expert of a fused tensor)."""
+    quantized: bool = False
+    """Written in FP8, block by block (`output.fp8`); its scales are the tensor whose `scale_of` it is."""
+    scale_of: str | None = None
+    """For a `weight_scale_inv` tensor: the quantized weight it scales (written right after it)."""
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +63,8 @@ class MergePlan:
     """Tied aliases left out of the output (transformers re-ties them on load)."""
     unexpected: tuple[str, ...]
     """Tensors the config's model does not declare; written, and reported."""
+    quantization: dict | None = None
+    """config.json's `quantization_config` for an FP8 model (None otherwise)."""
 
     @property
     def name_to_shard(self) -> dict[str, str]:
@@ -74,11 +82,13 @@ def plan_merge(
     dtype: str = DEFAULT_DTYPE,
     max_shard_size: int | str = MAX_SHARD_SIZE,
     lora: LoraPlan | None = None,
+    quantize: str | None = None,
 ) -> MergePlan:
     """Decide which tensors the merged model holds, in which dtype, and in which file.
 
     With `lora`, the base model's tensors are the ones it names (adapter wrappers removed), and
-    its folds go with their weights.
+    its folds go with their weights. With `quantize="fp8"`, linear layers' weights are planned in FP8,
+    each with its block scales (`output.fp8`), the other tensors in `dtype`.
 
     Raises:
         OptionError: an unknown dtype or an unreadable max shard size.
@@ -106,15 +116,40 @@ def plan_merge(
         )
         for name, (kept_name, shape, view) in _output_layout(spec, kept, folds).items()
     }
+    config_dtype = _config_dtype(tensors.values()) if dtype == KEEP else dtype_name(DTYPE_CHOICES[dtype])
+    quantization = None
+    if quantize is not None:
+        check_quantize(quantize)
+        tensors, quantization = _quantized(tensors)
     split = _split_into_files(tensors, max_shard_size)
     return MergePlan(
         tensors=tensors,
         shard_to_names={filename: tuple(names) for filename, names in split.filename_to_tensors.items()},
-        total_size=int(split.metadata["total_size"]),
-        config_dtype=_config_dtype(tensors.values()) if dtype == KEEP else dtype_name(DTYPE_CHOICES[dtype]),
+        total_size=sum(tensor.nbytes for tensor in tensors.values()),
+        config_dtype=config_dtype,
         dropped_aliases=dropped,
         unexpected=tuple(name for name in kept if name not in expected),
+        quantization=quantization,
     )
+
+
+def _quantized(tensors: dict[str, OutputTensor]) -> tuple[dict[str, OutputTensor], dict]:
+    """The plan's linear weights in FP8, each followed by its scales; and the `quantization_config` that says
+    so, listing the modules left unquantized (as transformers' `modules_to_not_convert` and vLLM's and
+    SGLang's `ignored_layers` expect them)."""
+    planned: dict[str, OutputTensor] = {}
+    skipped = []
+    for name, tensor in tensors.items():
+        if not fp8.quantizable(name, tensor.shape):
+            planned[name] = tensor
+            if len(tensor.shape) == 2 and name.endswith(".weight"):
+                skipped.append(name.removesuffix(".weight"))
+            continue
+        planned[name] = dataclasses.replace(tensor, dtype=dtype_name(fp8.FP8_DTYPE), quantized=True)
+        scales = fp8.scale_name(name)
+        planned[scales] = OutputTensor(scales, tensor.source, fp8.scale_shape(tensor.shape), "float32", scale_of=name)
+    config = {**fp8.QUANTIZATION_CONFIG, "modules_to_not_convert": sorted(skipped), "ignored_layers": sorted(skipped)}
+    return planned, config
 
 
 @dataclass(frozen=True)
@@ -221,10 +256,12 @@ def _listed(names: list[str]) -> str:
 
 
 def _split_into_files(tensors: dict[str, OutputTensor], max_shard_size: int | str):
+    """huggingface_hub's sharding; a weight's scales are kept in its file (they are written right after it)."""
     try:
         return split_state_dict_into_shards_factory(
             tensors,
             get_storage_size=lambda tensor: tensor.nbytes,
+            get_storage_id=lambda tensor: tensor.scale_of,
             filename_pattern=SAFETENSORS_FILE_PATTERN,
             max_shard_size=max_shard_size,
         )

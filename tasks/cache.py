@@ -1,12 +1,14 @@
 """Caching of merged state with Prefect's own means: a transaction per merge, keyed by its `MergeKey`, holds
 the merge's lock and records the published manifest; every step is cached under the merge's key."""
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from prefect.locking.filesystem import FileSystemLockManager
 from prefect.results import get_result_store
 from prefect.serializers import JSONSerializer
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, get_current_settings, temporary_settings
-from prefect.transactions import IsolationLevel, Transaction, get_transaction, transaction
+from prefect.transactions import IsolationLevel, Transaction, transaction
 
 from mergeflow.fingerprint import MergeKey
 from mergeflow.output.manifest import SavedModel, output_intact
@@ -35,19 +37,33 @@ class ProcessAwareLockManager(FileSystemLockManager):
             path = Path(self._lock_path_for_key(key))
             info = json.loads(path.read_text())
             info.update(host=socket.gethostname(), pid=os.getpid())
-            path.write_text(json.dumps(info))
+            written = path.with_name(f".{path.name}.{os.getpid()}")
+            written.write_text(json.dumps(info))
+            os.replace(written, path)
         return acquired
 
-    def is_locked(self, key: str, use_cache: bool = False) -> bool:
+    def _get_lock_info(self, key: str, use_cache: bool = True) -> dict | None:
         try:
-            info = self._get_lock_info(key, use_cache=use_cache)
-        except ValueError:  # another process is writing the lock file: it is held
-            return True
+            return super()._get_lock_info(key, use_cache=use_cache)
+        except ValueError:  # the lock file is being written, or its writer was killed before it wrote
+            path = Path(self._lock_path_for_key(key))
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - path.stat().st_mtime < UNWRITTEN_LOCK_SECONDS:
+                    return {"holder": None, "expiration": None, "path": path}
+                path.unlink()
+            return None
+
+    def is_locked(self, key: str, use_cache: bool = False) -> bool:
+        info = self._get_lock_info(key, use_cache=use_cache)
         if info is not None and _process_is_gone(info.get("host"), info.get("pid")):
             Path(info["path"]).unlink(missing_ok=True)
             self._locks.pop(key, None)
             return False
         return super().is_locked(key, use_cache=use_cache)
+
+
+UNWRITTEN_LOCK_SECONDS = 10.0
+"""How long an unreadable lock file counts as being written; older, its writer died before writing it."""
 
 
 def _process_is_gone(host: str | None, pid: int | None) -> bool:
@@ -88,30 +104,14 @@ MERGE_STEP = CacheKeyFnPolicy(cache_key_fn=step_key).configure(
 the cached steps may be reused: `merge_transaction`)."""
 
 
-def merge_step(name: str, *, on_rollback: Callable[[Transaction], None] | None = None, **options):
+def merge_step(name: str, **options):
     """A step of the merge flow: a task cached under the merge's key, its result (a small manifest) stored as
-    JSON, never pickled; `on_rollback` runs when the merge it belongs to fails."""
+    JSON, never pickled."""
 
     def decorate(function):
-        step = task(function, name=name, cache_policy=MERGE_STEP, persist_result=True, result_serializer="json", **options)
-        if on_rollback is not None:
-            step.on_rollback(on_rollback)
-        return step
+        return task(function, name=name, cache_policy=MERGE_STEP, persist_result=True, result_serializer="json", **options)
 
     return decorate
-
-
-STAGING_KEY = "staging_dir"
-
-
-def remember_staging(staging_dir: Path) -> None:
-    """Let a rollback of the step that wrote into the staging folder remove it."""
-    get_transaction().set(STAGING_KEY, str(staging_dir))
-
-
-def remove_staging(txn: Transaction) -> None:
-    """`on_rollback` of the steps that write into the staging folder: a failed merge leaves no staging folder."""
-    shutil.rmtree(txn.get(STAGING_KEY, None) or "", ignore_errors=True)
 
 
 @dataclass
@@ -130,12 +130,12 @@ class MergeRecord:
 
 
 @contextmanager
-def merge_transaction(key: MergeKey, *, refresh: bool = False) -> Iterator[MergeRecord]:
+def merge_transaction(key: MergeKey, staging_dir: Path, *, refresh: bool = False) -> Iterator[MergeRecord]:
     """Hold the merge's lock (a second run of the same merge waits here, then finds the first one's record)
     and decide whether the cached steps stand: the target must still hold, unchanged, the manifest this
     merge recorded when it published. Otherwise, or with `refresh`, every step runs again. A failure inside
-    rolls the steps back (`on_rollback` hooks remove what they staged); a crash leaves the staging folder for
-    the next run to resume."""
+    removes `staging_dir` (nothing half-written is left beside the target); a crash leaves it for the next
+    run to resume."""
     store = get_result_store().model_copy(
         update={"lock_manager": _lock_manager(), "serializer": JSONSerializer(), "metadata_storage": None}
     )
@@ -143,5 +143,9 @@ def merge_transaction(key: MergeKey, *, refresh: bool = False) -> Iterator[Merge
         previous = txn.read() if store.exists(key.digest) else None
         manifest = previous.result if previous is not None else None
         reuse = manifest is not None and not refresh and output_intact(manifest)
-        with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: not reuse}):
-            yield MergeRecord(txn, merged_before=manifest is not None, reuse=reuse)
+        try:
+            with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: not reuse}):
+                yield MergeRecord(txn, merged_before=manifest is not None, reuse=reuse)
+        except Exception:
+            shutil.rmtree(staging_dir, ignore_errors=True)
+            raise

@@ -32,10 +32,17 @@ def publish(
     create_table_artifact(
         key=artifact_key("merge-differences", checkpoint_dir),
         table=[
-            {"tensor": d.name, "dtype": d.dtype, "shape": str(d.shape), "max_abs_diff": d.max_abs_diff, "mismatched": d.mismatched}
+            {
+                "tensor": d.name,
+                "dtype": d.dtype,
+                "shape": str(d.shape),
+                "max_abs_diff": d.max_abs_diff,
+                "mismatched": d.mismatched,
+                "max_relative_error": d.max_relative_error,
+            }
             for d in report.largest_differences
         ],
-        description="Largest differences from the reference (empty without one)",
+        description="Largest differences from the reference, and each FP8 weight's largest relative rounding error",
     )
     return published
 

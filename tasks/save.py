@@ -3,14 +3,13 @@ from prefect import get_run_logger
 from mergeflow.job import MergeJob, PlanMade
 from mergeflow.output.manifest import SavedModel
 from mergeflow.output.save import ShardWritten
-from mergeflow.tasks.cache import merge_step, remember_staging, remove_staging
+from mergeflow.tasks.cache import merge_step
 
 
-@merge_step("save", on_rollback=[remove_staging])
+@merge_step("save")
 def save(job: MergeJob, plan: PlanMade, shards: list[ShardWritten]) -> SavedModel:
     """Write the rest of the model folder beside its weight files: the weight index, config, generation config,
     tokenizer and other side files, the LoRA adapter. The manifest describes the staging folder."""
-    remember_staging(job.staging_dir)
     saved = job.save(shards)
     kept = sum(shard.resumed for shard in shards)
     get_run_logger().info(

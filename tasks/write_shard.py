@@ -3,14 +3,13 @@ from tqdm.auto import tqdm
 
 from mergeflow.job import MergeJob, PlanMade
 from mergeflow.output.save import ShardWritten
-from mergeflow.tasks.cache import merge_step, remember_staging, remove_staging
+from mergeflow.tasks.cache import merge_step
 
 
-@merge_step("write-shard", task_run_name="write {filename}", on_rollback=[remove_staging])
+@merge_step("write-shard", task_run_name="write {filename}")
 def write_shard(job: MergeJob, plan: PlanMade, filename: str, *, progress: bool = False) -> ShardWritten:
     """Stream one weight file into the staging folder; a file already there as planned (written before the
     flow started, or by an interrupted run) is kept."""
-    remember_staging(job.staging_dir)
     with tqdm(total=plan.weight_files[filename], unit="B", unit_scale=True, desc=filename, disable=not progress) as bar:
         written = job.write_shard(filename, on_bytes=bar.update)
     if written.resumed:

@@ -87,13 +87,15 @@ LORA_FIXTURE_SPECS = [
 ]
 LORA_FIXTURE_NAMES = [spec.name for spec in LORA_FIXTURE_SPECS]
 REMOTE_CODE_SPEC = FixtureSpec("remote-code-ws2", tie=False, remote_code=True)
+WIDE_SPEC = FixtureSpec("qwen2-wide-ws2", model="qwen2-wide", world_size=2, tie=False)
+"""Weights of several whole 128×128 FP8 blocks (attention), and MLP weights of a partial block beside whole ones."""
 
 
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every fixture checkpoint, written once per session by real torch FSDP on gloo."""
     return write_fixtures(
-        [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC], tmp_path_factory.mktemp("fixtures")
+        [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC, WIDE_SPEC], tmp_path_factory.mktemp("fixtures")
     )
 
 

@@ -1,6 +1,8 @@
-"""`python -m tests.killed_merge N ARGS...`: run `mergeflow merge ARGS...`, and SIGKILL the process as soon as
-N output shards are written (not found written): a merge killed part way, as by the OOM killer or a pre-empted node."""
+"""`python -m tests.killed_merge N ARGS...`: run `mergeflow merge ARGS...` without its write-ahead child, and
+SIGKILL the process as soon as N output shards are written (not found written): a merge killed part way, as by
+the OOM killer or a pre-empted node."""
 
+import contextlib
 import os
 import signal
 import sys
@@ -8,6 +10,7 @@ import threading
 
 import mergeflow.output.save as save_module
 from mergeflow.cli import main
+from mergeflow.job import MergeJob
 
 _write = save_module.write_shard
 _lock = threading.Lock()
@@ -26,4 +29,5 @@ def _write_then_die(*args, **kwargs):
 
 if __name__ == "__main__":
     save_module.write_shard = _write_then_die
+    MergeJob.writing_ahead = contextlib.nullcontext
     sys.exit(main(sys.argv[2:]))

@@ -16,6 +16,7 @@ from mergeflow.errors import CheckpointError
 from mergeflow.formats.fsdp.rank_pickle import read_rank_pickle
 from mergeflow.formats.megatron.dcp import _FileWindow, read_metadata
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
+from mergeflow.output.staging import STAGING_PREFIX
 from tests.cli_runs import run_cli
 from tests.merging import load_weights, merge_with_engine
 
@@ -62,6 +63,17 @@ def test_a_flipped_byte_in_tensor_data_is_an_error_naming_the_file_and_the_tenso
     assert f"corrupt rank file {rank_file}" in run.stderr
     assert '"model.layers.1.mlp.up_proj.weight"' in run.stderr
     assert not target_dir.exists()
+
+
+def test_a_merge_that_fails_on_damaged_data_leaves_no_staging_folder(damaged, target_dir):
+    rank_file = damaged.checkpoint_dir / "model_world_size_2_rank_0.pt"
+    tensor = read_rank_pickle(rank_file)["model.norm.weight"]
+    flip_byte(rank_file, tensor.file_offset + 1)
+
+    run = run_cli("merge", "--local_dir", damaged.checkpoint_dir, "--target_dir", target_dir, "--no-progress")
+
+    assert run.returncode == EXIT_BAD_INPUT
+    assert list(target_dir.parent.glob(f"{STAGING_PREFIX}*")) == []
 
 
 def test_a_flipped_byte_in_the_pickle_is_an_error_naming_the_file(damaged, target_dir):

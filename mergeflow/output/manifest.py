@@ -2,7 +2,7 @@
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HASH_BLOCK_BYTES = 8 * 1024 * 1024
@@ -32,6 +32,10 @@ class SavedModel:
     adapter_dir: str | None = None
     validation: str = ""
     """The validation verdict the folder was published with."""
+    fp8_errors: dict[str, float] = field(default_factory=dict)
+    """For an FP8 model: each quantized weight's largest relative rounding error against its source."""
+    fp8_outside: tuple[str, ...] = ()
+    """FP8 weights with an element outside the rounding bound of their source."""
 
 
 def file_listing(directory: Path) -> list[tuple[str, int, int]]:

@@ -4,7 +4,8 @@ for a tensor that is a part of its source (one expert of a fused MoE tensor), cu
 it lies in.
 
 Folding is row-local (`W[rows] += s · B[rows]·A`, DoRA's norms are per row), so it streams like a copy;
-the LoRA factors themselves are small (rank × width) and read whole.
+the LoRA factors themselves are small (rank × width) and read whole. FP8 quantization is local to blocks
+of 128 rows, so it streams too, after any fold.
 """
 
 import math
@@ -15,6 +16,7 @@ import torch
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.formats.base import TensorIndex, TensorSource
 from mergeflow.lora import LoraFold
+from mergeflow.output import fp8
 from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
 from mergeflow.planning import OutputTensor
 
@@ -22,31 +24,67 @@ FOLD_DTYPE = torch.float32
 
 
 class PlannedTensors:
-    """Planned output tensors, read from a checkpoint's tensor source; `verify` checks what was read."""
+    """Planned output tensors, read from a checkpoint's tensor source; `verify` checks what was read.
+
+    A quantized weight's scales are computed as its blocks of rows are, and kept until they are written:
+    the plan puts them right after the weight, in the same file."""
 
     def __init__(self, index: TensorIndex):
         self._index = index
         self._source: TensorSource = index.open()
         self._last_piece: tuple[tuple, torch.Tensor] | None = None
+        self._scales: dict[str, torch.Tensor] = {}
+        self.fp8_errors: dict[str, float] = {}
+        """Each quantized weight's largest relative rounding error (in e4m3's normal range)."""
+        self.fp8_outside: list[str] = []
+        """Quantized weights with an element outside FP8's rounding bound (none, when quantization is right)."""
 
     def chunks(self, tensor: OutputTensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
         """The planned tensor's contents, as consecutive row blocks of at most about `chunk_bytes`."""
-        if tensor.fold is None:
-            for start, stop in row_ranges(tensor.shape, parse_dtype_name(tensor.dtype).itemsize, chunk_bytes):
-                yield self.rows(tensor, start, stop)
+        if tensor.scale_of is not None:
+            yield self._scales.pop(tensor.scale_of)
             return
-        folder = LoraFolder(tensor.fold, self._source, self._index)
-        for start, stop in row_ranges(tensor.shape, FOLD_DTYPE.itemsize, chunk_bytes):
-            yield folder.rows(tensor.source, start, stop).to(parse_dtype_name(tensor.dtype))
+        if tensor.quantized:
+            yield from self._quantized_chunks(tensor, chunk_bytes)
+            return
+        dtype = parse_dtype_name(tensor.dtype)
+        folder = LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
+        for start, stop in row_ranges(tensor.shape, FOLD_DTYPE.itemsize if folder else dtype.itemsize, chunk_bytes):
+            yield self._rows_in(tensor, start, stop, dtype, folder)
 
     def rows(self, tensor: OutputTensor, start: int, stop: int) -> torch.Tensor:
-        """Rows `[start, stop)` of the planned tensor (a 0-d tensor whole)."""
+        """Rows `[start, stop)` of the planned tensor (a 0-d tensor whole), before any quantization."""
         dtype = parse_dtype_name(tensor.dtype)
+        folder = LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
+        return self._rows_in(tensor, start, stop, dtype, folder)
+
+    def _rows_in(
+        self, tensor: OutputTensor, start: int, stop: int, dtype: torch.dtype, folder: "LoraFolder | None"
+    ) -> torch.Tensor:
         if tensor.view is not None:
             return self._viewed_rows(tensor, start, stop, dtype)
-        if tensor.fold is not None:
-            return LoraFolder(tensor.fold, self._source, self._index).rows(tensor.source, start, stop).to(dtype)
+        if folder is not None:
+            return folder.rows(tensor.source, start, stop).to(dtype)
         return self._source.rows(tensor.source, start, stop, dtype)
+
+    def _quantized_chunks(self, tensor: OutputTensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
+        """FP8 rows of a weight, whole 128-row blocks at a time (from float32), its scales kept for later and its
+        rounding error against the rows it was quantized from recorded."""
+        folder = LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
+        rows_per_chunk = max(fp8.BLOCK, chunk_bytes // (FOLD_DTYPE.itemsize * tensor.shape[1]) // fp8.BLOCK * fp8.BLOCK)
+        scales, largest_error, within = [], 0.0, True
+        for start in range(0, tensor.shape[0], rows_per_chunk):
+            stop = min(start + rows_per_chunk, tensor.shape[0])
+            rows = self._rows_in(tensor, start, stop, FOLD_DTYPE, folder)
+            values, chunk_scales = fp8.quantize(rows)
+            error, outside = fp8.rounding_error(rows, values, chunk_scales)
+            largest_error, within = max(largest_error, error), within and not outside
+            scales.append(chunk_scales)
+            yield values
+        self._scales[tensor.name] = torch.cat(scales)
+        self.fp8_errors[tensor.name] = largest_error
+        if not within:
+            self.fp8_outside.append(tensor.name)
 
     def _viewed_rows(self, tensor: OutputTensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows of a tensor that is a strided view of its source: the source rows the view's elements lie

@@ -26,6 +26,8 @@ class MergeFacts:
     validation: str
     lora: str | None = None
     base_model: str | None = None
+    quantization: str | None = None
+    """How the weights were quantized, if they were."""
 
 
 def write_model_card(model_dir: Path, facts: MergeFacts) -> Path | None:
@@ -41,7 +43,7 @@ def render_model_card(facts: MergeFacts) -> str:
     data = ModelCardData(
         base_model=facts.base_model,
         library_name="transformers",
-        tags=TAGS + (["lora"] if facts.lora else []),
+        tags=TAGS + (["lora"] if facts.lora else []) + (["fp8"] if facts.quantization else []),
         mergeflow={key: value for key, value in asdict(facts).items() if value is not None},
     )
     step = f"step {facts.step}" if facts.step is not None else "an unknown step"
@@ -55,12 +57,14 @@ def render_model_card(facts: MergeFacts) -> str:
         ("validation", facts.validation),
         ("base model", facts.base_model or "not recorded"),
         ("LoRA", facts.lora or "none"),
+        ("quantization", facts.quantization or "none"),
     ]
     table = "\n".join(["| | |", "| --- | --- |", *(f"| {name} | {value} |" for name, value in rows)])
     body = (
         f"# Merged verl checkpoint ({step})\n\n"
         f"Merged from a verl {facts.backend.upper()} checkpoint into a Hugging Face model by mergeflow.\n\n"
-        f"{table}\n"
+        + (f"The weights of its linear layers are FP8: {facts.quantization}.\n\n" if facts.quantization else "")
+        + f"{table}\n"
     )
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}"))
 

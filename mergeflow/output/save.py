@@ -19,6 +19,7 @@ from mergeflow.formats.base import TensorIndex
 from mergeflow.lora import ADAPTER_SUBDIR
 from mergeflow.output.manifest import SavedModel, describe_files
 from mergeflow.output.materialize import PlannedTensors
+from mergeflow.output.shard_locks import LOCK_SUFFIX, closed_to_writers, file_lock
 from mergeflow.output.streaming import CHUNK_BYTES, prefetched
 from mergeflow.output.writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
@@ -26,8 +27,6 @@ from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, 
 
 DONE_SUFFIX = ".done"
 PARTIAL_SUFFIX = ".partial"
-LOCK_SUFFIX = ".lock"
-WRITERS_LOCK = f".mergeflow-writers{LOCK_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,10 @@ class ShardWritten:
     sha256: str
     resumed: bool = False
     """Found finished in the output folder (written before the flow started, or by an interrupted run)."""
+    fp8_errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each FP8 weight's largest relative rounding error against the tensor it was quantized from."""
+    fp8_outside: tuple[str, ...] = ()
+    """FP8 weights with an element outside the rounding bound (none, when quantization is right)."""
 
 
 def write_model_files(
@@ -54,7 +57,7 @@ def write_model_files(
     """Everything but the weight shards: their index, config, generation config, side files, the adapter."""
     if plan is not None:
         write_weight_index(plan, staging)
-        write_config(spec, staging, plan.config_dtype)
+        write_config(spec, staging, plan.config_dtype, quantization=plan.quantization)
         write_generation_config(spec, staging)
         copy_side_files(Path(spec.config_dir), staging)
     if adapter is not None:
@@ -76,6 +79,8 @@ def describe_output(
     return SavedModel(
         target_dir=str(folder),
         files=describe_files(folder, {shard.name: shard.sha256 for shard in written}),
+        fp8_errors={name: error for shard in written for name, error in shard.fp8_errors.items()},
+        fp8_outside=tuple(name for shard in written for name in shard.fp8_outside),
         weight_files=tuple(plan.shard_to_names) if plan is not None else (),
         total_size=weights.total_size,
         num_tensors=len(weights.tensors),
@@ -142,7 +147,7 @@ def write_shard(
     final, marker = output_dir / filename, shard_marker(output_dir, filename)
     expected_size = len(build_header(entries)) + sum(entry.nbytes for entry in entries)
     planned = shard_plan_digest(plan, filename)
-    with _file_lock(output_dir / f".{filename}{LOCK_SUFFIX}", fcntl.LOCK_EX):
+    with file_lock(output_dir / f".{filename}{LOCK_SUFFIX}", fcntl.LOCK_EX):
         finished = _finished_shard(final, marker, expected_size, planned)
         if finished is not None:
             if on_bytes is not None:
@@ -155,26 +160,14 @@ def write_shard(
                 if on_bytes is not None:
                     on_bytes(chunk.numel() * chunk.element_size())
             reader.verify()
-        written = ShardWritten(filename, expected_size, writer.sha256)
+        written = ShardWritten(
+            filename, expected_size, writer.sha256, fp8_errors=reader.fp8_errors, fp8_outside=tuple(reader.fp8_outside)
+        )
         os.replace(partial, final)
         marker_tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
-        marker_tmp.write_text(json.dumps({"size": written.size, "sha256": written.sha256, "plan": planned}))
+        marker_tmp.write_text(json.dumps({**dataclasses.asdict(written), "plan": planned}))
         os.replace(marker_tmp, marker)
     return written
-
-
-@contextlib.contextmanager
-def shard_writers(folder: Path) -> Iterator[None]:
-    """Held by a writer that may still write shards into `folder`; `clear_shard_markers` waits for it."""
-    with _file_lock(folder / WRITERS_LOCK, fcntl.LOCK_SH):
-        yield
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, operation: int) -> Iterator[None]:
-    with open(path, "a") as file:
-        fcntl.flock(file, operation)
-        yield
 
 
 def shard_plan_digest(plan: MergePlan, filename: str) -> str:
@@ -190,7 +183,7 @@ def shard_marker(output_dir: Path, filename: str) -> Path:
 def clear_shard_markers(folder: Path) -> None:
     """Once every shard is written (and no writer of `shard_writers` is left), remove the resume markers,
     locks and any unfinished `.partial` file."""
-    with _file_lock(folder / WRITERS_LOCK, fcntl.LOCK_EX):
+    with closed_to_writers(folder):
         for path in folder.iterdir():
             hidden = path.name.startswith(".")
             if (hidden and path.name.endswith((DONE_SUFFIX, LOCK_SUFFIX))) or path.name.endswith(PARTIAL_SUFFIX):
@@ -206,7 +199,14 @@ def _finished_shard(final: Path, marker: Path, expected_size: int, planned: str)
         return None
     if record.get("plan") != planned or record.get("size") != expected_size or final.stat().st_size != expected_size:
         return None
-    return ShardWritten(final.name, expected_size, record["sha256"], resumed=True)
+    return ShardWritten(
+        final.name,
+        expected_size,
+        record["sha256"],
+        resumed=True,
+        fp8_errors=record.get("fp8_errors", {}),
+        fp8_outside=tuple(record.get("fp8_outside", ())),
+    )
 
 
 def _chunks(tensors: list[OutputTensor], reader, chunk_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -215,10 +215,13 @@ def _chunks(tensors: list[OutputTensor], reader, chunk_bytes: int) -> Iterator[t
             yield tensor.name, chunk
 
 
-def _safetensors_order(tensor) -> tuple[int, str]:
+def _safetensors_order(tensor: OutputTensor) -> tuple[int, str, bool]:
     """safetensors' own order within a file (widest dtype first, then by name), so tensors land at the
-    same offsets, and with the same memory alignment once mmapped, as in a file save_pretrained writes."""
-    return -parse_dtype_name(tensor.dtype).itemsize, tensor.name
+    same offsets, and with the same memory alignment once mmapped, as in a file save_pretrained writes;
+    a quantized weight's scales come right after it (they are known once it is written)."""
+    if tensor.scale_of is not None:
+        return -1, tensor.scale_of, True
+    return -parse_dtype_name(tensor.dtype).itemsize, tensor.name, False
 
 
 def write_weight_index(plan: MergePlan, output_dir: Path) -> None:

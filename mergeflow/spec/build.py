@@ -50,7 +50,7 @@ class SpecBuild:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 pass_fds=(lock.fileno(),),
-                env=_child_environment(),
+                env=child_environment(),
             )
         # the child holds the lock (on the file description it inherited) until it exits
 
@@ -75,7 +75,7 @@ def _child_command(config_dir: Path, trust_remote_code: bool, is_value_model: bo
     return [sys.executable, "-m", __name__, str(config_dir), *flags]
 
 
-def _child_environment() -> dict[str, str]:
+def child_environment() -> dict[str, str]:
     """This environment (the cache directory included), with mergeflow importable however it was found here."""
     environment = dict(os.environ)
     paths = [str(PACKAGE_ROOT), *filter(None, environment.get("PYTHONPATH", "").split(os.pathsep))]

@@ -296,14 +296,17 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def write_config(spec: ModelSpec, output_dir: Path, dtype: str) -> None:
-    """Write config.json as the checkpoint has it, with only its dtype (and value-model head) updated."""
+def write_config(spec: ModelSpec, output_dir: Path, dtype: str, *, quantization: dict | None = None) -> None:
+    """Write config.json as the checkpoint has it, with only its dtype (and value-model head, and an FP8 model's
+    `quantization_config`) updated."""
     config = json.loads((Path(spec.config_dir) / CONFIG_FILE).read_text())
     if spec.is_value_model and config.get("architectures") != [spec.architecture]:
         config["architectures"] = [spec.architecture]
         config["id2label"] = {"0": "LABEL_0"}
         config["label2id"] = {"LABEL_0": 0}
     _set_dtype(config, dtype)
+    if quantization is not None:
+        config["quantization_config"] = quantization
     (Path(output_dir) / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

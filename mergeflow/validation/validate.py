@@ -17,6 +17,7 @@ import torch
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
 from mergeflow.lora import ADAPTER_SUBDIR
+from mergeflow.output import fp8
 from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
 from mergeflow.spec.config_files import CONFIG_FILE
 from mergeflow.spec.model_spec import load_model_spec
@@ -35,6 +36,9 @@ LOGITS_TOLERANCES: dict[torch.dtype, float] = {
     torch.bfloat16: 1e-2,
 }
 """Absolute tolerance on logits, by the dtype both models run in."""
+FP8_LOGITS_TOLERANCE = 0.15
+"""For an FP8 model: the largest logit difference allowed, as a share of the reference's largest logit
+(measured 0.3-10% on the test models, random weights that amplify rounding more than trained ones do)."""
 LOGITS_SEQUENCE_LENGTH = 16
 LOGITS_MEMORY_FACTOR = 3
 """Both models must fit in available memory this many times over their weights, or logits are skipped."""
@@ -50,7 +54,10 @@ class TensorDifference:
     shape: tuple[int, ...]
     max_abs_diff: float
     mismatched: int
-    """Elements outside the tolerance (with no tolerance: elements that are not bit-identical)."""
+    """Elements outside the tolerance (with no tolerance: elements that are not bit-identical; for an FP8
+    weight: elements outside FP8's rounding bound)."""
+    max_relative_error: float | None = None
+    """For an FP8 weight: its largest relative rounding error (in e4m3's normal range)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,9 @@ class ValidationReport:
     """Tensors those files hold."""
     reference_casts: tuple[str, ...] = ()
     """Dtype casts applied to the reference before comparing (`float32 -> bfloat16`)."""
+    fp8_weights: int = 0
+    """FP8 weights checked against their source: within FP8's rounding bound of the tensor quantized."""
+    fp8_max_relative_error: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -88,9 +98,16 @@ class ValidationReport:
             return f"failed ({len(self.problems)} problem(s): {self.problems[0]})"
         files = f"{self.weight_files} weight file{'s' if self.weight_files != 1 else ''}"
         checked = [f"complete ({files}, {self.tensors} tensors)"]
+        if self.fp8_weights:
+            checked.append(
+                f"{self.fp8_weights} FP8 weights within FP8's rounding bound of their source "
+                f"(largest relative error {self.fp8_max_relative_error:.4f})"
+            )
         if self.reference_dir:
             cast = f" (reference cast {', '.join(self.reference_casts)})" if self.reference_casts else ""
-            checked.append(f"{self.tensors_compared} tensors equal {self.reference_dir}{cast}")
+            how = "match" if self.fp8_weights else "equal"
+            fp8_note = ", FP8 weights within their rounding bound" if self.fp8_weights else ""
+            checked.append(f"{self.tensors_compared} tensors {how} {self.reference_dir}{cast}{fp8_note}")
         if self.logits is not None:
             checked.append(self.logits.message)
         return f"{'passed' if self.passed else 'failed'}: {'; '.join(checked)}"
@@ -112,22 +129,39 @@ def validate_model_dir(
     atol: float = 0.0,
     rtol: float = 0.0,
     shown_as: str | None = None,
+    fp8_errors: dict[str, float] | None = None,
+    fp8_outside: tuple[str, ...] = (),
 ) -> ValidationReport:
     """Check a merged folder's completeness and, given a reference, its tensors (and optionally logits).
 
     A merged model in another floating dtype than the reference is compared with the reference cast to the
-    merged dtype, as the merge cast the trained tensors; the report says so. `shown_as` names the folder in
-    the report (a staging directory is validated before it becomes the target).
+    merged dtype, as the merge cast the trained tensors; the report says so; FP8 weights are dequantized and
+    compared within FP8's rounding bound. `fp8_errors` and `fp8_outside` are the rounding errors the merge
+    measured against its source as it quantized. `shown_as` names the folder in the report (a staging
+    directory is validated before it becomes the target).
     """
     problems = completeness_problems(model_dir)
     name = shown_as or str(model_dir)
     adapter_only = (Path(model_dir) / ADAPTER_SUBDIR).is_dir() and not (Path(model_dir) / CONFIG_FILE).exists()
     if reference_dir is not None and adapter_only:
         problems.append(f"{name} holds a LoRA adapter only: no base model to compare with {reference_dir}")
+    problems += [f"FP8 weight {weight} has elements outside FP8's rounding bound of its source" for weight in fp8_outside]
     weight_files, tensors = weight_counts(Path(model_dir)) if not problems else (0, 0)
-    counts = {"weight_files": weight_files, "tensors": tensors}
+    fp8_errors = fp8_errors or {}
+    counts = {
+        "weight_files": weight_files,
+        "tensors": tensors,
+        "fp8_weights": len(fp8_errors),
+        "fp8_max_relative_error": max(fp8_errors.values(), default=None),
+    }
+    quantized = tuple(
+        TensorDifference(weight, "float8_e4m3fn", (), 0.0, int(weight in fp8_outside), error)
+        for weight, error in sorted(fp8_errors.items(), key=lambda item: -item[1])[:MAX_REPORTED]
+    )
     if problems or reference_dir is None:
-        return ValidationReport(name, str(reference_dir) if reference_dir else None, tuple(problems), **counts)
+        return ValidationReport(
+            name, str(reference_dir) if reference_dir else None, tuple(problems), largest_differences=quantized, **counts
+        )
     tied = load_model_spec(Path(model_dir)).tied
     report = compare_to_reference(
         SafetensorsFolder(model_dir), reference_dir, model_dir=name, tied=tied, atol=atol, rtol=rtol
@@ -148,7 +182,9 @@ def compare_to_reference(
 ) -> ValidationReport:
     """Compare a tensor source with the reference folder: key sets, shapes, dtypes, then values, streamed."""
     reference = open_model_folder(Path(reference_dir))
-    candidate_names, reference_names = _comparable_names(candidate.names(), reference.names(), tied)
+    scales = {name.removesuffix(fp8.SCALE_SUFFIX): name for name in candidate.names() if name.endswith(fp8.SCALE_SUFFIX)}
+    compared = [name for name in candidate.names() if name not in scales.values()]
+    candidate_names, reference_names = _comparable_names(compared, reference.names(), tied)
     problems = []
     missing = sorted(reference_names - candidate_names)
     extra = sorted(candidate_names - reference_names)
@@ -158,9 +194,17 @@ def compare_to_reference(
         problems.append(f"extra key(s) {quoted(extra)}")
     differences = []
     casts = set()
-    for name in [n for n in candidate.names() if n in reference_names]:
+    for name in [n for n in compared if n in reference_names]:
         mine, theirs = candidate.info(name), reference.info(name)
-        if mine.shape != theirs.shape:
+        if name in scales and mine.shape == theirs.shape:
+            difference = _compare_quantized(candidate, reference, name, scales[name], mine.shape, chunk_bytes)
+            differences.append(difference)
+            if difference.mismatched:
+                problems.append(
+                    f"value mismatch for FP8 weight {name}: {difference.mismatched} element(s) outside FP8's rounding "
+                    f"bound of the reference, max |diff| {difference.max_abs_diff:.6g}"
+                )
+        elif mine.shape != theirs.shape:
             problems.append(f"shape mismatch for {name}: got {mine.shape}, expected {theirs.shape}")
         elif mine.dtype != theirs.dtype and not (mine.dtype.is_floating_point and theirs.dtype.is_floating_point):
             problems.append(
@@ -180,6 +224,25 @@ def compare_to_reference(
     return ValidationReport(
         model_dir, str(reference_dir), tuple(problems), len(differences), tuple(largest), reference_casts=tuple(sorted(casts))
     )
+
+
+def _compare_quantized(
+    candidate, reference, name: str, scale_name: str, shape: tuple[int, ...], chunk_bytes: int
+) -> TensorDifference:
+    """An FP8 weight against the reference: dequantized a band of whole 128-row blocks at a time, each element
+    within FP8's rounding bound of the reference's (cast to float32)."""
+    band = max(fp8.BLOCK, chunk_bytes // (4 * shape[1]) // fp8.BLOCK * fp8.BLOCK)
+    max_abs_diff, mismatched, largest_relative = 0.0, 0, 0.0
+    for start in range(0, shape[0], band):
+        stop = min(start + band, shape[0])
+        values = candidate.rows(name, start, stop)
+        scales = candidate.rows(scale_name, start // fp8.BLOCK, -(-stop // fp8.BLOCK))
+        theirs = reference.rows(name, start, stop).float()
+        relative, outside = fp8.rounding_error(theirs, values, scales)
+        gap = (fp8.dequantize(values, scales) - theirs).abs()
+        max_abs_diff, largest_relative = max(max_abs_diff, float(gap.max())), max(largest_relative, relative)
+        mismatched += outside
+    return TensorDifference(name, "float8_e4m3fn", shape, max_abs_diff, mismatched, largest_relative)
 
 
 def _comparable_names(candidate: list[str], reference: list[str], tied: dict[str, str]) -> tuple[set, set]:
@@ -218,7 +281,8 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def compare_logits(model_dir: Path, reference_dir: Path) -> LogitsCheck:
-    """Load both models with transformers on CPU, in the merged dtype, and compare logits on a fixed sequence."""
+    """Load both models with transformers on CPU, in the merged dtype, and compare logits on a fixed sequence
+    (an FP8 model is dequantized on load, and allowed FP8_LOGITS_TOLERANCE of the reference's largest logit)."""
     weights = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if weights * LOGITS_MEMORY_FACTOR > available:
@@ -247,6 +311,8 @@ def compare_logits(model_dir: Path, reference_dir: Path) -> LogitsCheck:
         del model
     gap = float((outputs[0] - outputs[1]).abs().max())
     tolerance = LOGITS_TOLERANCES.get(dtype, LOGITS_TOLERANCES[torch.float32])
+    if getattr(config, "quantization_config", None):  # FP8 weights, dequantized on load
+        tolerance = max(tolerance, FP8_LOGITS_TOLERANCE * float(outputs[1].abs().max()))
     passed = gap <= tolerance
     verdict = "match" if passed else "differ"
     return LogitsCheck(
