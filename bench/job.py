@@ -1,9 +1,10 @@
 """Run one merge and print its measurements as JSON (the bench runs each in a fresh child).
 
-    python -m bench.job mergeflow|mergeflow-no-crc|cli|verl CHECKPOINT_DIR TARGET_DIR
+    python -m bench.job mergeflow|mergeflow-no-crc|mergeflow-fp8|cli|verl CHECKPOINT_DIR TARGET_DIR
 
 `mergeflow` is the engine alone (`MergeJob`, no Prefect); `mergeflow-no-crc` the same with the CRC-32 checks
-turned off (to measure what they cost; the product has no such switch); `cli` is `mergeflow merge` end to
+turned off (to measure what they cost; the product has no such switch); `mergeflow-fp8` the engine merging to
+FP8 (`--quantize fp8`); `cli` is `mergeflow merge` end to
 end in a child process, with Prefect, against PREFECT_API_URL when the environment sets it (a running
 server) or with the temporary server the command starts itself.
 
@@ -26,12 +27,13 @@ from pathlib import Path
 VERL_PACKAGE = "verl"
 
 
-def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path) -> None:
+def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path, quantize: str | None = None) -> None:
     """The engine's merge, as `mergeflow merge` starts it: the read-ahead and a new config's spec build begin
     before the imports that need torch (`MergeJob.warm_up`), then the steps run without Prefect."""
     from mergeflow.job import MergeJob
+    from mergeflow.options import MergeOptions
 
-    job = MergeJob(checkpoint_dir, target_dir)
+    job = MergeJob(checkpoint_dir, target_dir, MergeOptions(quantize=quantize))
     job.warm_up()
     job.run()
 
@@ -43,6 +45,10 @@ def merge_without_crc(checkpoint_dir: Path, target_dir: Path) -> None:
     RecordCheck.add = lambda self, file_offset, data: None
     RecordCheck.finish = lambda self, read: None
     merge_with_mergeflow(checkpoint_dir, target_dir)
+
+
+def merge_to_fp8(checkpoint_dir: Path, target_dir: Path) -> None:
+    merge_with_mergeflow(checkpoint_dir, target_dir, quantize="fp8")
 
 
 def merge_with_cli(checkpoint_dir: Path, target_dir: Path) -> dict:
@@ -99,7 +105,13 @@ def merge_with_verl(checkpoint_dir: Path, target_dir: Path) -> None:
     merger_class(config).merge_and_save()
 
 
-TOOLS = {"mergeflow": merge_with_mergeflow, "mergeflow-no-crc": merge_without_crc, "cli": merge_with_cli, "verl": merge_with_verl}
+TOOLS = {
+    "mergeflow": merge_with_mergeflow,
+    "mergeflow-no-crc": merge_without_crc,
+    "mergeflow-fp8": merge_to_fp8,
+    "cli": merge_with_cli,
+    "verl": merge_with_verl,
+}
 
 
 def io_counters() -> dict[str, int]:
