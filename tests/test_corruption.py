@@ -33,6 +33,11 @@ def flip_byte(path: Path, offset: int) -> None:
         file.write(bytes([value ^ 0x20]))
 
 
+def damage_tensor(rank_file: Path, name: str, at: int) -> None:
+    """Flip a byte `at` bytes into the data of tensor `name` of a rank file."""
+    flip_byte(rank_file, read_rank_pickle(rank_file)[name].file_offset + at)
+
+
 def record_data_offset(archive_file, info: zipfile.ZipInfo) -> int:
     """Where a stored zip record's bytes start (after its local header)."""
     archive_file.seek(info.header_offset + 26)
@@ -54,8 +59,7 @@ def damaged(copy_checkpoint):
 
 def test_a_flipped_byte_in_tensor_data_is_an_error_naming_the_file_and_the_tensor(damaged, target_dir):
     rank_file = damaged.checkpoint_dir / "model_world_size_2_rank_1.pt"
-    tensor = read_rank_pickle(rank_file)["model.layers.1.mlp.up_proj.weight"]
-    flip_byte(rank_file, tensor.file_offset + 37)
+    damage_tensor(rank_file, "model.layers.1.mlp.up_proj.weight", at=37)
 
     run = run_cli("merge", "--local_dir", damaged.checkpoint_dir, "--target_dir", target_dir, "--no-progress")
 
@@ -67,8 +71,7 @@ def test_a_flipped_byte_in_tensor_data_is_an_error_naming_the_file_and_the_tenso
 
 def test_a_merge_that_fails_on_damaged_data_leaves_no_staging_folder(damaged, target_dir):
     rank_file = damaged.checkpoint_dir / "model_world_size_2_rank_0.pt"
-    tensor = read_rank_pickle(rank_file)["model.norm.weight"]
-    flip_byte(rank_file, tensor.file_offset + 1)
+    damage_tensor(rank_file, "model.norm.weight", at=1)
 
     run = run_cli("merge", "--local_dir", damaged.checkpoint_dir, "--target_dir", target_dir, "--no-progress")
 
@@ -91,7 +94,7 @@ def test_a_flipped_byte_in_the_pickle_is_an_error_naming_the_file(damaged, targe
 
 def test_the_test_command_reports_damaged_tensor_data_too(damaged, fixtures):
     rank_file = damaged.checkpoint_dir / "model_world_size_2_rank_0.pt"
-    flip_byte(rank_file, read_rank_pickle(rank_file)["model.norm.weight"].file_offset + 1)
+    damage_tensor(rank_file, "model.norm.weight", at=1)
 
     run = run_cli("test", "--local_dir", damaged.checkpoint_dir, "--test_hf_dir", fixtures[CHECKPOINT].reference_dir)
 
