@@ -41,29 +41,50 @@ def reference_quantize(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def test_the_block_quantizer_equals_a_plain_reference(shape):
     matrix = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02
 
-    values, scales = fp8.quantize(matrix)
+    quantized = fp8.quantize(matrix)
 
     expected_values, expected_scales = reference_quantize(matrix)
-    assert torch.equal(scales, expected_scales)
-    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(quantized.scales, expected_scales)
+    assert torch.equal(quantized.values.view(torch.uint8), expected_values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200), (129, 1)])
+def test_the_quantizers_own_rounding_check_agrees_with_checking_the_dequantized_weights(shape):
+    matrix = torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 0.02
+
+    quantized = fp8.quantize(matrix)
+
+    relative, outside = fp8.rounding_error(matrix, quantized.values, quantized.scales)
+    assert (quantized.outside, outside) == (0, 0)
+    assert quantized.largest_relative_error == pytest.approx(relative, rel=1e-4)
+    assert relative <= 2**-4
+
+
+def test_a_value_off_by_more_than_half_a_step_is_outside_the_rounding_bound():
+    matrix = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    quantized = fp8.quantize(matrix)
+    wrong = quantized.values.float()
+    wrong[5, 7] *= 1.25
+
+    assert fp8.rounding_error(matrix, wrong.to(fp8.FP8_DTYPE), quantized.scales)[1] == 1
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (5, 7), (256, 130)])
 def test_dequantizing_gives_every_blocks_largest_magnitude_back_exactly(shape):
     matrix = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    values, scales = fp8.quantize(matrix)
+    quantized = fp8.quantize(matrix)
 
-    restored = fp8.dequantize(values, scales)
+    restored = fp8.dequantize(quantized.values, quantized.scales)
 
-    for i, j in [(i, j) for i in range(scales.shape[0]) for j in range(scales.shape[1])]:
+    for i, j in [(i, j) for i in range(quantized.scales.shape[0]) for j in range(quantized.scales.shape[1])]:
         rows, columns = slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128)
         assert restored[rows, columns].abs().max() == matrix[rows, columns].abs().max(), (i, j)
 
 
 def test_a_block_of_zeros_stays_zero():
-    values, scales = fp8.quantize(torch.zeros(130, 3))
+    quantized = fp8.quantize(torch.zeros(130, 3))
 
-    assert torch.equal(fp8.dequantize(values, scales), torch.zeros(130, 3))
+    assert torch.equal(fp8.dequantize(quantized.values, quantized.scales), torch.zeros(130, 3))
 
 
 @pytest.mark.parametrize(

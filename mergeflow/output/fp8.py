@@ -4,6 +4,7 @@ which they multiply back. Which weights are quantized is decided by name (`quant
 
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -52,19 +53,32 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)
 
 
-def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 values and the per-block scales of a block of rows (whole 128-row blocks but for the last).
+@dataclass(frozen=True)
+class Quantized:
+    """A block of rows in FP8, and how far it rounded."""
 
-    Returns:
-        The rows in `float8_e4m3fn`, and float32 scales of shape `scale_shape(rows.shape)`: each block's
-        largest magnitude over LARGEST_CODE (1 for a block of zeros).
-    """
-    rows = rows.float()
-    blocks = _blocked(rows)
+    values: torch.Tensor
+    """The rows in `float8_e4m3fn`."""
+    scales: torch.Tensor
+    """float32, of shape `scale_shape(values.shape)`: each block's largest magnitude over LARGEST_CODE (1 for a
+    block of zeros)."""
+    largest_relative_error: float
+    """Each element's rounding error relative to its magnitude (or to e4m3's smallest normal, for the
+    smallest): at most 2^-4, half a step, when quantization is right."""
+    outside: int
+    """Elements further than half a step from their source."""
+
+
+def quantize(rows: torch.Tensor) -> Quantized:
+    """Quantize a block of rows (whole 128-row blocks but for the last), checking each value's rounding as it
+    goes: on the scaled values, where the bound is the same for every block."""
+    blocks = _blocked(rows.float())
     largest = blocks.abs().amax(dim=(1, 3))
     scales = torch.where(largest > 0, largest / LARGEST_CODE, torch.ones_like(largest))
-    values = (blocks / scales[:, None, :, None]).to(FP8_DTYPE)
-    return _unblocked(values, rows.shape), scales
+    scaled = blocks.div_(scales[:, None, :, None])
+    values = scaled.to(FP8_DTYPE)
+    relative, outside = _rounding(scaled, values.float(), torch.tensor(1.0))
+    return Quantized(_unblocked(values, rows.shape), scales, relative, outside)
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -74,22 +88,18 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def rounding_error(reference: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> tuple[float, int]:
-    """How far dequantized values are from the rows they were quantized from (whole 128-row blocks but the last).
+    """How far dequantized values are from the rows they were quantized from (whole 128-row blocks but the last):
+    the largest relative error and the elements outside the rounding bound, as `Quantized` has them."""
+    block_scales = scales[:, None, :, None]
+    return _rounding(_blocked(reference.float()), _blocked(values.float()).mul_(block_scales), block_scales)
 
-    Returns:
-        The largest relative error among elements in e4m3's normal range (at most 2^-4 when correct), and
-        how many elements are outside the rounding bound: half e4m3's step at their magnitude (2^-4
-        relative for normal values; for the smallest, half the subnormal step, 2^-10 of the block's scale).
-    """
-    reference = reference.float()
-    error = (dequantize(values, scales) - reference).abs()
-    block_scales = _unblocked(
-        scales[:, None, :, None].expand(-1, BLOCK, -1, BLOCK).contiguous(), (scales.shape[0] * BLOCK, scales.shape[1] * BLOCK)
-    )[: reference.shape[0], : reference.shape[1]]
-    outside = int((error > torch.maximum(reference.abs() / 16, block_scales / 1024)).sum())
-    normal = reference.abs() >= block_scales / 64
-    relative = (error[normal] / reference.abs()[normal]).max() if normal.any() else torch.tensor(0.0)
-    return float(relative), outside
+
+def _rounding(source: torch.Tensor, rounded: torch.Tensor, scale: torch.Tensor) -> tuple[float, int]:
+    """`source` and `rounded` blocked, `scale` the blocks' scales (broadcast). Each element's error is taken
+    relative to its magnitude, or to e4m3's smallest normal (2^-6 of the scale) below it, so that one ratio
+    holds both bounds: 2^-4 (half a step) for normal values, 2^-10 of the scale for subnormal ones."""
+    ratio = rounded.sub_(source).abs_().div_(torch.maximum(source.abs(), scale / 64))
+    return float(ratio.amax()) if ratio.numel() else 0.0, int((ratio > 2**-4).sum())
 
 
 def _blocked(matrix: torch.Tensor) -> torch.Tensor:

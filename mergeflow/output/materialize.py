@@ -21,6 +21,9 @@ from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
 from mergeflow.planning import OutputTensor
 
 FOLD_DTYPE = torch.float32
+QUANTIZE_TEMPORARIES = 4
+"""Quantizing a band of float32 rows makes about this many temporaries of its size: bands of chunk_bytes /
+QUANTIZE_TEMPORARIES keep an FP8 merge's memory that of a bf16 merge."""
 
 
 class PlannedTensors:
@@ -71,16 +74,17 @@ class PlannedTensors:
         """FP8 rows of a weight, whole 128-row blocks at a time (from float32), its scales kept for later and its
         rounding error against the rows it was quantized from recorded."""
         folder = LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
-        rows_per_chunk = max(fp8.BLOCK, chunk_bytes // (FOLD_DTYPE.itemsize * tensor.shape[1]) // fp8.BLOCK * fp8.BLOCK)
+        band_bytes = chunk_bytes // QUANTIZE_TEMPORARIES
+        rows_per_chunk = max(fp8.BLOCK, band_bytes // (FOLD_DTYPE.itemsize * tensor.shape[1]) // fp8.BLOCK * fp8.BLOCK)
         scales, largest_error, within = [], 0.0, True
         for start in range(0, tensor.shape[0], rows_per_chunk):
             stop = min(start + rows_per_chunk, tensor.shape[0])
             rows = self._rows_in(tensor, start, stop, FOLD_DTYPE, folder)
-            values, chunk_scales = fp8.quantize(rows)
-            error, outside = fp8.rounding_error(rows, values, chunk_scales)
-            largest_error, within = max(largest_error, error), within and not outside
-            scales.append(chunk_scales)
-            yield values
+            quantized = fp8.quantize(rows)
+            largest_error = max(largest_error, quantized.largest_relative_error)
+            within = within and not quantized.outside
+            scales.append(quantized.scales)
+            yield quantized.values
         self._scales[tensor.name] = torch.cat(scales)
         self.fp8_errors[tensor.name] = largest_error
         if not within:
