@@ -4,7 +4,7 @@ from prefect import flow
 
 from mergeflow.errors import ValidationError
 from mergeflow.tasks.validate import validate_folder
-from mergeflow.validation.validate import ValidationReport
+from mergeflow.validation.report import ValidationReport
 
 
 @flow(name="validate-model", flow_run_name="validate {target_dir}")

@@ -16,7 +16,8 @@ from mergeflow.tasks.fingerprint import fingerprint
 from mergeflow.tasks.load_config import load_config
 from mergeflow.tasks.load_shards import load_shards
 from mergeflow.tasks.plan_merge import plan_merge
-from mergeflow.validation.validate import ValidationReport, reference_dtype_choice
+from mergeflow.validation.report import ValidationReport
+from mergeflow.validation.validate import reference_dtype_choice
 
 
 def verify_run_name() -> str:

@@ -38,11 +38,10 @@ from mergeflow.spec.build import SpecBuild, child_environment
 if TYPE_CHECKING:
     from mergeflow.formats.base import TensorIndex
     from mergeflow.lora import LoraPlan
-    from mergeflow.output.manifest import SavedModel
-    from mergeflow.output.save import ShardWritten
+    from mergeflow.output.manifest import SavedModel, ShardWritten
     from mergeflow.planning import AdapterPlan, MergePlan
     from mergeflow.spec.model_spec import ModelSpec
-    from mergeflow.validation.validate import ValidationReport
+    from mergeflow.validation.report import ValidationReport
 
 
 @dataclass(frozen=True)

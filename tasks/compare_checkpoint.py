@@ -2,7 +2,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from mergeflow.job import MergeJob, PlanMade
-from mergeflow.validation.validate import ValidationReport
+from mergeflow.validation.report import ValidationReport
 
 
 @task(name="compare-checkpoint", cache_policy=NO_CACHE)

@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from mergeflow.job import MergeJob
 from mergeflow.output.manifest import SavedModel
 from mergeflow.tasks.cache import merge_step
-from mergeflow.validation.validate import ValidationReport
+from mergeflow.validation.report import ValidationReport
 
 KEY_PATH_PARTS = 3
 KEY_MAX_LENGTH = 90

@@ -1,8 +1,7 @@
 from prefect import get_run_logger
 
 from mergeflow.job import MergeJob, PlanMade
-from mergeflow.output.manifest import SavedModel
-from mergeflow.output.save import ShardWritten
+from mergeflow.output.manifest import SavedModel, ShardWritten
 from mergeflow.tasks.cache import merge_step
 
 

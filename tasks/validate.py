@@ -6,7 +6,7 @@ from prefect.cache_policies import NO_CACHE
 from mergeflow.job import MergeJob
 from mergeflow.output.manifest import SavedModel
 from mergeflow.tasks.cache import merge_step
-from mergeflow.validation.validate import ValidationReport, validate_model_dir
+from mergeflow.validation.report import ValidationReport
 
 
 @merge_step("validate")
@@ -27,6 +27,8 @@ def validate_folder(
     rtol: float = 0.0,
 ) -> ValidationReport:
     """Check a model folder (one copied from elsewhere) the way a merge checks its own."""
+    from mergeflow.validation.validate import validate_model_dir
+
     report = validate_model_dir(
         Path(target_dir),
         reference_dir=Path(test_hf_dir) if test_hf_dir else None,

@@ -3,7 +3,7 @@ from prefect import get_run_logger
 from mergeflow.job import MergeJob
 from mergeflow.output.manifest import SavedModel
 from mergeflow.tasks.cache import merge_step
-from mergeflow.validation.validate import ValidationReport
+from mergeflow.validation.report import ValidationReport
 
 
 @merge_step("write-model-card")

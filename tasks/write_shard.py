@@ -2,7 +2,7 @@ from prefect import get_run_logger
 from tqdm.auto import tqdm
 
 from mergeflow.job import MergeJob, PlanMade
-from mergeflow.output.save import ShardWritten
+from mergeflow.output.manifest import ShardWritten
 from mergeflow.tasks.cache import merge_step
 
 

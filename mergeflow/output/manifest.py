@@ -9,6 +9,21 @@ HASH_BLOCK_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class ShardWritten:
+    """One safetensors file in the output, and whether an earlier, interrupted run had already written it."""
+
+    name: str
+    size: int
+    sha256: str
+    resumed: bool = False
+    """Found finished in the output folder (written before the flow started, or by an interrupted run)."""
+    fp8_errors: dict[str, float] = field(default_factory=dict)
+    """Each FP8 weight's largest relative rounding error against the tensor it was quantized from."""
+    fp8_outside: tuple[str, ...] = ()
+    """FP8 weights with an element outside the rounding bound (none, when quantization is right)."""
+
+
+@dataclass(frozen=True)
 class OutputFile:
     name: str
     """The path relative to the model folder."""

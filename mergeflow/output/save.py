@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ from tqdm.auto import tqdm
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.formats.base import TensorIndex
 from mergeflow.lora import ADAPTER_SUBDIR
-from mergeflow.output.manifest import SavedModel, describe_files
+from mergeflow.output.manifest import SavedModel, ShardWritten, describe_files
 from mergeflow.output.materialize import PlannedTensors
 from mergeflow.output.shard_locks import LOCK_SUFFIX, closed_to_writers, file_lock
 from mergeflow.output.streaming import CHUNK_BYTES, prefetched
@@ -27,21 +26,6 @@ from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, 
 
 DONE_SUFFIX = ".done"
 PARTIAL_SUFFIX = ".partial"
-
-
-@dataclass(frozen=True)
-class ShardWritten:
-    """One safetensors file in the output, and whether an earlier, interrupted run had already written it."""
-
-    name: str
-    size: int
-    sha256: str
-    resumed: bool = False
-    """Found finished in the output folder (written before the flow started, or by an interrupted run)."""
-    fp8_errors: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Each FP8 weight's largest relative rounding error against the tensor it was quantized from."""
-    fp8_outside: tuple[str, ...] = ()
-    """FP8 weights with an element outside the rounding bound (none, when quantization is right)."""
 
 
 def write_model_files(
