@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergeflow import preflight
 from mergeflow.errors import MergeflowError, OptionError, UploadError, ValidationError
@@ -26,6 +27,9 @@ from mergeflow.options import (
     MergeOptions,
     check_repo_id,
 )
+
+if TYPE_CHECKING:
+    from mergeflow.deployments.server import TemporaryServer
 
 PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migrates its database slowly
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -329,9 +333,7 @@ def run_merge(args: argparse.Namespace) -> int:
         from mergeflow.flows.task_runners import task_runner_from
 
         flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
-        _filter_console_echoes(server)
-        if server is not None:
-            server.wait()
+        _prefect_ready(server)
         saved = flow(
             local_dir=args.local_dir,
             target_dir=args.target_dir,
@@ -357,9 +359,7 @@ def run_test(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
         from mergeflow.flows.verify import verify_checkpoint
 
-        _filter_console_echoes(server)
-        if server is not None:
-            server.wait()
+        _prefect_ready(server)
         report = verify_checkpoint(
             local_dir=args.local_dir,
             test_hf_dir=args.test_hf_dir,
@@ -380,9 +380,7 @@ def run_validate(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
         from mergeflow.flows.validate import validate_model
 
-        _filter_console_echoes(server)
-        if server is not None:
-            server.wait()
+        _prefect_ready(server)
         report = validate_model(
             target_dir=args.target_dir,
             test_hf_dir=args.test_hf_dir,
@@ -411,9 +409,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
         from mergeflow.flows.demo import run_demo as demo
 
-        _filter_console_echoes(server)
-        if server is not None:
-            server.wait()
+        _prefect_ready(server)
         matches = demo(workdir)
     return _verdict(
         f"demo files are in {workdir.absolute()} (the checkpoint under demo/, the merged model in merged/); "
@@ -463,9 +459,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
         from mergeflow.flows.sweep import sweep_checkpoints
 
-        _filter_console_echoes(server)
-        if server is not None:
-            server.wait()
+        _prefect_ready(server)
         merged = sweep_checkpoints(
             run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
             output_dir=str(Path(args.output_dir).absolute()),
@@ -596,8 +590,9 @@ class _EchoFilter(logging.Filter):
         return True
 
 
-def _filter_console_echoes(server: object = None) -> None:
-    """Install `_EchoFilter` on Prefect's console handlers (`server`: the temporary server, if any)."""
+def _prefect_ready(server: "TemporaryServer | None") -> None:
+    """Once the flow is imported: `_EchoFilter` on Prefect's console handlers, and the temporary server (if
+    any) waited for."""
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
@@ -606,6 +601,8 @@ def _filter_console_echoes(server: object = None) -> None:
         for handler in getattr(logger, "handlers", []):
             if type(handler).__name__ == "PrefectConsoleHandler":
                 handler.addFilter(echo_filter)
+    if server is not None:
+        server.wait()
 
 
 def _verdict(line: str, code: int = 0) -> int:
