@@ -51,15 +51,19 @@ class PlannedTensors:
             yield from self._quantized_chunks(tensor, chunk_bytes)
             return
         dtype = parse_dtype_name(tensor.dtype)
-        folder = LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
+        folder = self._folder(tensor)
         for start, stop in row_ranges(tensor.shape, FOLD_DTYPE.itemsize if folder else dtype.itemsize, chunk_bytes):
             yield self._rows_in(tensor, start, stop, dtype, folder)
 
     def rows(self, tensor: OutputTensor, start: int, stop: int) -> torch.Tensor:
         """Rows `[start, stop)` of the planned tensor (a 0-d tensor whole), before any quantization."""
         dtype = parse_dtype_name(tensor.dtype)
-        folder = LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
+        folder = self._folder(tensor)
         return self._rows_in(tensor, start, stop, dtype, folder)
+
+    def _folder(self, tensor: OutputTensor) -> "LoraFolder | None":
+        """What folds the tensor's LoRA into its rows, if it has one."""
+        return LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
 
     def _rows_in(
         self, tensor: OutputTensor, start: int, stop: int, dtype: torch.dtype, folder: "LoraFolder | None"
@@ -73,7 +77,7 @@ class PlannedTensors:
     def _quantized_chunks(self, tensor: OutputTensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
         """FP8 rows of a weight, whole 128-row blocks at a time (from float32), its scales kept for later and its
         rounding error against the rows it was quantized from recorded."""
-        folder = LoraFolder(tensor.fold, self._source, self._index) if tensor.fold is not None else None
+        folder = self._folder(tensor)
         band_bytes = chunk_bytes // QUANTIZE_TEMPORARIES
         rows_per_chunk = max(fp8.BLOCK, band_bytes // (FOLD_DTYPE.itemsize * tensor.shape[1]) // fp8.BLOCK * fp8.BLOCK)
         scales, largest_error, within = [], 0.0, True
