@@ -1,13 +1,9 @@
 """Caching of merged state with Prefect's own means: a transaction per merge, keyed by its `MergeKey`, holds
 the merge's lock and records the published manifest; every step is cached under the merge's key."""
 
-import contextlib
 import hashlib
 import json
-import os
 import shutil
-import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +11,6 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import CacheKeyFnPolicy
-from prefect.locking.filesystem import FileSystemLockManager
 from prefect.results import get_result_store
 from prefect.serializers import JSONSerializer
 from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, get_current_settings, temporary_settings
@@ -23,59 +18,7 @@ from prefect.transactions import IsolationLevel, Transaction, transaction
 
 from mergeflow.fingerprint import MergeKey
 from mergeflow.output.manifest import SavedModel, output_intact
-
-
-class ProcessAwareLockManager(FileSystemLockManager):
-    """File locks that also record the holding process; a lock whose process, on this host, no longer
-    exists counts as released: a merge killed with SIGKILL must not block the next run of the same merge."""
-
-    def acquire_lock(
-        self, key: str, holder: str, acquire_timeout: float | None = None, hold_timeout: float | None = None
-    ) -> bool:
-        acquired = super().acquire_lock(key, holder, acquire_timeout, hold_timeout)
-        if acquired:
-            path = Path(self._lock_path_for_key(key))
-            info = json.loads(path.read_text())
-            info.update(host=socket.gethostname(), pid=os.getpid())
-            written = path.with_name(f".{path.name}.{os.getpid()}")
-            written.write_text(json.dumps(info))
-            os.replace(written, path)
-        return acquired
-
-    def _get_lock_info(self, key: str, use_cache: bool = True) -> dict | None:
-        try:
-            return super()._get_lock_info(key, use_cache=use_cache)
-        except ValueError:  # the lock file is being written, or its writer was killed before it wrote
-            path = Path(self._lock_path_for_key(key))
-            with contextlib.suppress(FileNotFoundError):
-                if time.time() - path.stat().st_mtime < UNWRITTEN_LOCK_SECONDS:
-                    return {"holder": None, "expiration": None, "path": path}
-                path.unlink()
-            return None
-
-    def is_locked(self, key: str, use_cache: bool = False) -> bool:
-        info = self._get_lock_info(key, use_cache=use_cache)
-        if info is not None and _process_is_gone(info.get("host"), info.get("pid")):
-            Path(info["path"]).unlink(missing_ok=True)
-            self._locks.pop(key, None)
-            return False
-        return super().is_locked(key, use_cache=use_cache)
-
-
-UNWRITTEN_LOCK_SECONDS = 10.0
-"""How long an unreadable lock file counts as being written; older, its writer died before writing it."""
-
-
-def _process_is_gone(host: str | None, pid: int | None) -> bool:
-    if host != socket.gethostname() or pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+from mergeflow.tasks.locks import ProcessAwareLockManager
 
 
 def lock_directory() -> Path:
