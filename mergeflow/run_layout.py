@@ -9,6 +9,7 @@ from pathlib import Path
 from mergeflow.errors import CheckpointError
 from mergeflow.formats.fsdp import layout as fsdp_layout
 from mergeflow.formats.megatron import layout as megatron_layout
+from mergeflow.formats.megatron.contents import CONTENTS_FILE, is_v2_layout
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -66,18 +67,23 @@ def backend_of(role_dir: Path) -> str | None:
     return "megatron"
 
 
+def is_fully_saved(role_dir: Path, backend: str) -> bool:
+    """Whether the role's save has finished: verl's v2 Megatron layout writes `ckpt_contents.json` last."""
+    return backend != "megatron" or not is_v2_layout(role_dir) or (role_dir / CONTENTS_FILE).is_file()
+
+
 def checkpoints_of_step(run_dir: Path, step: int) -> list[Checkpoint]:
     step_dir = Path(run_dir) / f"global_step_{step}"
     found = []
     for role in fsdp_layout.ROLE_SUBDIRS:
         backend = backend_of(step_dir / role) if (step_dir / role).is_dir() else None
-        if backend is not None:
+        if backend is not None and is_fully_saved(step_dir / role, backend):
             found.append(Checkpoint(str(Path(run_dir).absolute()), step, role, backend))
     return found
 
 
 def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """Every checkpoint of the run at or below the tracker's step, oldest first."""
+    """Every checkpoint of the run at or below the tracker's step and fully saved, oldest first."""
     latest = latest_step(run_dir)
     if latest is None:
         return []
@@ -126,7 +132,7 @@ def is_training_file(name: str, is_dir: bool) -> bool:
     if is_dir:
         return bool(STEP_DIR.match(name)) or name == megatron_layout.DIST_CKPT_SUBDIR
     return (
-        name in (TRACKER_FILE, fsdp_layout.FSDP_CONFIG_FILE, megatron_layout.METADATA_FILE)
+        name in (TRACKER_FILE, fsdp_layout.FSDP_CONFIG_FILE, megatron_layout.METADATA_FILE, CONTENTS_FILE)
         or bool(fsdp_layout.RANK_FILE_PATTERN.match(name))
         or bool(megatron_layout.DATA_FILE.match(name))
     )

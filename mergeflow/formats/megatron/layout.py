@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError
 from mergeflow.formats.fsdp.layout import HF_SUBDIR, ROLE_SUBDIRS
+from mergeflow.formats.megatron.contents import CONTENTS_FILE, HF_FORMAT, CheckpointContents, read_contents
 
 if TYPE_CHECKING:
     from mergeflow.formats.megatron.index import MegatronIndex
@@ -60,15 +61,20 @@ class MegatronLayout:
 
 
 def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
-    """Locate `dist_ckpt/` and `huggingface/` in either of verl's layouts; a `huggingface/` that holds
+    """Locate the model's weights and config: where `ckpt_contents.json` says (verl's v2 layout), else
+    `model/{dist_ckpt,huggingface}/` or the older `{dist_ckpt,huggingface}/`. A `huggingface/` that holds
     safetensors weights (an mbridge run) is the model itself.
 
     Raises:
-        CheckpointError: neither layout is there (naming the directory to pass when it is a parent).
+        CheckpointError: no layout is there (naming the directory to pass when it is a parent), the manifest
+            is unreadable or names weights that are not there, or the run saved PEFT adapters.
     """
     local_dir = Path(local_dir)
     if not local_dir.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {local_dir}")
+    contents = read_contents(local_dir)
+    if contents is not None:
+        return _from_contents(local_dir, contents)
     for base in (local_dir / MODEL_SUBDIR, local_dir):
         if any((base / HF_SUBDIR).glob(HF_WEIGHT_FILES)):
             dist_ckpt = base / DIST_CKPT_SUBDIR
@@ -76,10 +82,7 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
                 str(local_dir), str(dist_ckpt) if dist_ckpt.is_dir() else None, str(base / HF_SUBDIR), hf_weights=True
             )
         if (base / DIST_CKPT_SUBDIR).is_dir():
-            dist_ckpt = base / DIST_CKPT_SUBDIR
-            if not (dist_ckpt / METADATA_FILE).is_file():
-                raise CheckpointError(f"not a torch_dist checkpoint: {dist_ckpt} has no {METADATA_FILE} file")
-            return MegatronLayout(str(local_dir), str(dist_ckpt), str(base / HF_SUBDIR))
+            return MegatronLayout(str(local_dir), str(_archive(base / DIST_CKPT_SUBDIR)), str(base / HF_SUBDIR))
     if (local_dir / METADATA_FILE).is_file():
         return MegatronLayout(str(local_dir), str(local_dir), str(local_dir.parent / HF_SUBDIR))
     roles = [role for role in ROLE_SUBDIRS if (local_dir / role).is_dir()]
@@ -88,6 +91,29 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
         f"not a Megatron checkpoint: {local_dir} has neither {MODEL_SUBDIR}/{DIST_CKPT_SUBDIR}/ nor "
         f"{DIST_CKPT_SUBDIR}/{hint}"
     )
+
+
+def _from_contents(local_dir: Path, contents: CheckpointContents) -> MegatronLayout:
+    if contents.peft:
+        raise CheckpointError(
+            f"{local_dir / CONTENTS_FILE}: the run trained PEFT (LoRA) adapters with the Megatron backend, and "
+            "mergeflow does not merge Megatron adapters yet"
+        )
+    config_dir = contents.config_dir or local_dir / MODEL_SUBDIR / HF_SUBDIR
+    if contents.model_format == HF_FORMAT:
+        if not any(contents.model_path.glob(HF_WEIGHT_FILES)):
+            raise CheckpointError(
+                f"{local_dir / CONTENTS_FILE} names Hugging Face weights in {contents.model_path}, which holds none"
+            )
+        return MegatronLayout(str(local_dir), None, str(contents.model_path), hf_weights=True)
+    return MegatronLayout(str(local_dir), str(_archive(contents.model_path)), str(config_dir))
+
+
+def _archive(dist_ckpt: Path) -> Path:
+    """`dist_ckpt`, checked to be a torch_dist archive."""
+    if not (dist_ckpt / METADATA_FILE).is_file():
+        raise CheckpointError(f"not a torch_dist checkpoint: {dist_ckpt} has no {METADATA_FILE} file")
+    return dist_ckpt
 
 
 def _writer_ranks(dist_ckpt_dir: Path) -> int:
