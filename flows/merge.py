@@ -58,6 +58,7 @@ def merge_checkpoint(
     hf_token_secret: str | None = None,
     base_model: str | None = None,
     quantize: str | None = None,
+    drop_mtp: bool = False,
     upload_retries: int = UPLOAD_RETRIES,
     upload_retry_delay_seconds: float = UPLOAD_RETRY_DELAY_SECONDS,
     refresh_cache: bool = False,
@@ -69,7 +70,7 @@ def merge_checkpoint(
     whose output is still in place, is a cache hit: every step shows Cached and nothing is read or written
     (`refresh_cache` forces a new merge). A LoRA checkpoint gives the base model plus `lora_adapter/`, or
     with `merge_lora` the base model with the LoRA folded in; `quantize="fp8"` stores the linear layers'
-    weights in FP8 with 128×128 block scales. With `hf_upload_path` the validated model is
+    weights in FP8 with 128×128 block scales; `drop_mtp` leaves out multi-token-prediction layers. With `hf_upload_path` the validated model is
     uploaded to the Hub, on `revision` (default: a branch per training step, `step-N`); the token comes
     from HF_TOKEN, the huggingface_hub login, or the Prefect Secret block named by `hf_token_secret`.
     """
@@ -78,7 +79,7 @@ def merge_checkpoint(
     options = MergeOptions(
         backend=backend, dtype=dtype, max_shard_size=max_shard_size, hf_model_config_path=hf_model_config_path,
         trust_remote_code=trust_remote_code, is_value_model=is_value_model, tie_word_embedding=tie_word_embedding,
-        merge_lora=merge_lora, lora_alpha=lora_alpha, base_model=base_model, quantize=quantize,
+        merge_lora=merge_lora, lora_alpha=lora_alpha, base_model=base_model, quantize=quantize, drop_mtp=drop_mtp,
     )  # fmt: skip
     job = MergeJob(local_dir, target_dir, options)
     key = fingerprint(job)

@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a non-empty target (an earlier merge's output or an ordinary folder, never training files)",
     )
     _add_quantize_option(merge)
+    merge.add_argument(
+        "--drop-mtp",
+        "--drop_mtp",
+        dest="drop_mtp",
+        action="store_true",
+        help="leave out multi-token-prediction layers (kept by default, for vLLM's MTP speculative decoding)",
+    )
     merge.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     merge.add_argument(
         "--no-cache",
@@ -319,6 +326,7 @@ def merge_options(args: argparse.Namespace) -> MergeOptions:
         lora_alpha=args.lora_alpha,
         base_model=args.base_model,
         quantize=args.quantize,
+        drop_mtp=args.drop_mtp,
     )
 
 

@@ -1,5 +1,6 @@
 """What `mergeflow inspect` reports about a checkpoint, from metadata alone (nothing is merged)."""
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -8,7 +9,9 @@ from mergeflow.errors import CheckpointError
 from mergeflow.formats import find_checkpoint
 from mergeflow.formats.base import TensorIndex
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, read_train_meta
-from mergeflow.spec.model_spec import ModelSpec, load_model_spec
+from mergeflow.planning import mtp_layer_names
+from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_model_spec
 
 
 def describe_checkpoint(
@@ -18,8 +21,9 @@ def describe_checkpoint(
     hf_model_config_path: Path | None = None,
     trust_remote_code: bool = False,
 ) -> dict:
-    """World size, how it was saved (mesh, placements or tensor parallelism), dtypes, parameter count, and
-    tied / LoRA / value-model flags."""
+    """World size, how it was saved (layout, mesh and placements, or tensor parallelism and the parallel
+    sizes verl recorded), dtypes, parameter count, multi-token-prediction layers, and tied / LoRA /
+    value-model flags."""
     layout = find_checkpoint(local_dir, backend)
     spec = _spec_or_none(Path(hf_model_config_path or layout.config_dir), trust_remote_code)
     if spec is None and backend == "megatron":
@@ -38,6 +42,8 @@ def describe_checkpoint(
         "num_tensors": len(index.tensors),
         "num_parameters": sum(math.prod(t.shape) for t in counted),
         "architecture": spec.architecture if spec else None,
+        "model_type": _model_type(Path(spec.config_dir)) if spec else None,
+        "mtp_layers": len({DECODER_LAYER.match(name)[1] for name in mtp_layer_names(names, spec)}) if spec else 0,
         "tied": tied,
         "lora": bool(lora_names),
         "value_model": spec.is_value_model
@@ -57,6 +63,13 @@ def _lora_description(index: TensorIndex, lora_names: list[str]) -> dict:
         "lora_alpha": meta.get("lora_alpha") or None,
         "lora_only": len(lora_names) == len(index.tensors),
     }
+
+
+def _model_type(config_dir: Path) -> str | None:
+    try:
+        return json.loads((config_dir / CONFIG_FILE).read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _spec_or_none(config_dir: Path, trust_remote_code: bool) -> ModelSpec | None:

@@ -455,6 +455,7 @@ class MergeJob:
                         max_shard_size=options.max_shard_size,
                         lora=lora,
                         quantize=options.quantize,
+                        drop_mtp=options.drop_mtp,
                     )
                 self._plan = (plan, adapter)
             return self._plan

@@ -30,6 +30,8 @@ class MergeOptions:
     lora_alpha: float | None = None
     base_model: str | None = None
     quantize: str | None = None
+    drop_mtp: bool = False
+    """Leave out multi-token-prediction layers (kept by default, for speculative decoding)."""
 
 
 def check_quantize(quantize: str) -> None:

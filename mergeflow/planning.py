@@ -18,7 +18,7 @@ from mergeflow.formats.base import StoredTensor, TensorIndex
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype, check_quantize
 from mergeflow.output import fp8
-from mergeflow.spec.model_spec import ModelSpec, SavedView
+from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, SavedView
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -83,12 +83,14 @@ def plan_merge(
     max_shard_size: int | str = MAX_SHARD_SIZE,
     lora: LoraPlan | None = None,
     quantize: str | None = None,
+    drop_mtp: bool = False,
 ) -> MergePlan:
     """Decide which tensors the merged model holds, in which dtype, and in which file.
 
     With `lora`, the base model's tensors are the ones it names (adapter wrappers removed), and
     its folds go with their weights. With `quantize="fp8"`, linear layers' weights are planned in FP8,
-    each with its block scales (`output.fp8`), the other tensors in `dtype`.
+    each with its block scales (`output.fp8`), the other tensors in `dtype`. With `drop_mtp`, the layers
+    after the decoder's (`mtp_layer_names`) are left out.
 
     Raises:
         OptionError: an unknown dtype or an unreadable max shard size.
@@ -100,6 +102,9 @@ def plan_merge(
         if lora is not None
         else index.tensors
     )
+    if drop_mtp:
+        mtp = set(mtp_layer_names(sources, spec))
+        sources = {name: source for name, source in sources.items() if name not in mtp}
     dropped = {name: spec.tied[name] for name in sources if name in spec.tied}
     kept = {name: source for name, source in sources.items() if name not in dropped}
     expected = expected_shapes(spec, kept)
@@ -181,6 +186,14 @@ def plan_adapter(index: TensorIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTY
         unexpected=(),
     )
     return AdapterPlan(weights=weights, config=lora.config)
+
+
+def mtp_layer_names(names: Iterable[str], spec: ModelSpec) -> list[str]:
+    """The tensors of layers after the decoder's that the config does not declare: the multi-token-prediction
+    layers DeepSeek-V3-style checkpoints keep as `model.layers.{num_hidden_layers + k}`."""
+    declared = [int(match[1]) for name in (*spec.expected_shapes, *spec.saved_shapes) if (match := DECODER_LAYER.match(name))]
+    last = max(declared, default=-1)
+    return [name for name in names if (match := DECODER_LAYER.match(name)) and int(match[1]) > last]
 
 
 def expected_shapes(spec: ModelSpec, names: Iterable[str]) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,7 @@ import mergeflow.formats.megatron.dcp
 import mergeflow.formats.megatron.names
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.formats.megatron.contents import CONTENTS_FILE
 from mergeflow.formats.megatron.dcp import read_metadata, read_slice
 from mergeflow.formats.megatron.index import index_megatron
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
@@ -27,7 +28,11 @@ from tests.merging import load_weights, logits, merge_with_engine, model_class
 
 REPO_ROOT = Path(__file__).parent.parent
 WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1]
-MOE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")]
+MOE = [
+    spec.name
+    for spec in MEGATRON_FIXTURE_SPECS
+    if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+]
 
 
 @pytest.fixture(scope="session")
@@ -209,7 +214,8 @@ def test_the_engine_never_imports_megatron_core():
 
 @pytest.fixture
 def mbridge_checkpoint(megatron_fixtures, tmp_path):
-    """A Megatron checkpoint as verl saves it with mbridge: the HF weights in `huggingface/`, no `dist_ckpt/`."""
+    """A Megatron checkpoint as verl saves it with mbridge: the HF weights in `model/huggingface/`, no
+    `dist_ckpt/`, and a manifest that says so."""
     fixture = megatron_fixtures["megatron-qwen2-tp1"]
     checkpoint_dir = tmp_path / "run" / "global_step_1" / "actor"
     shutil.copytree(fixture.checkpoint_dir, checkpoint_dir)
@@ -217,6 +223,11 @@ def mbridge_checkpoint(megatron_fixtures, tmp_path):
     shutil.rmtree(model_dir / "dist_ckpt")
     for weights in fixture.reference_dir.glob("*.safetensors"):
         shutil.copyfile(weights, model_dir / "huggingface" / weights.name)
+    manifest_path = checkpoint_dir / CONTENTS_FILE
+    manifest = json.loads(manifest_path.read_text())
+    manifest["backend"].update(has_bridge=True, use_dist_checkpointing=False)
+    manifest["contents"]["model"] = {"path": "model/huggingface", "format": "huggingface", "backend": "mbridge"}
+    manifest_path.write_text(json.dumps(manifest))
     return fixture, checkpoint_dir, model_dir / "huggingface"
 
 

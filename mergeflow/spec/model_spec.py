@@ -1,6 +1,7 @@
 """The Hugging Face side of a checkpoint: config, model class, expected tensors, and files to carry over."""
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ AUTO_CLASS_BY_SUFFIX = {
     "ForSequenceClassification": "AutoModelForSequenceClassification",
 }
 VALUE_MODEL_SUFFIX = "ForTokenClassification"
+DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+"""A tensor of decoder layer N, as causal LMs name them (its index is group 1)."""
 SPEC_FIELDS = (
     "architecture",
     "model_class",

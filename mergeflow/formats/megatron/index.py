@@ -7,6 +7,7 @@ key per layer; MoE experts likewise (`mergeflow.formats.megatron.names` maps the
 not know is an error that names it, never a dropped tensor.
 """
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from mergeflow.errors import CheckpointError, PlanError, quoted
 from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.formats.megatron.layout import MegatronLayout
 from mergeflow.formats.megatron.names import (
+    MTP_SHARED,
     SUPPORTED_MODEL_TYPES,
     TRAINING_STATE,
     VALUE_HEAD,
@@ -29,7 +31,7 @@ from mergeflow.formats.megatron.names import (
     split_part,
     targets,
 )
-from mergeflow.spec.model_spec import ModelSpec, load_config
+from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_config
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,12 @@ class MegatronIndex:
     stored: dict[str, StoredTensor]
     geometry: Geometry
     aliases: dict[str, str]
+    saved_layout: str
+    parallelism: dict[str, int]
+    """The parallel sizes verl recorded with the archive (`MegatronLayout.parallelism`)."""
 
     def facts(self) -> dict[str, object]:
-        return {"tensor_parallel": self.tensor_parallel}
+        return {"layout": self.saved_layout, "tensor_parallel": self.tensor_parallel, **self.parallelism}
 
     def open(self) -> "MegatronSource":
         return MegatronSource(self)
@@ -104,10 +109,11 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
                 name = name_template.format(**fields)
                 shape = part_shape(part, entry.shape[len(leading) :], geometry, key)
                 tensors[name] = MegatronTensor(name, dtype_name(entry.dtype), shape, key, leading, part)
+    tensors |= _mtp_shared_tensors(tensors, geometry)
     if unmapped:
         raise PlanError(
             f"unmapped key(s) for {config.model_type} in {layout.dist_ckpt_dir}: {quoted(unmapped)}. "
-            "Add them to HF_FROM_MEGATRON (or TABLES_BY_MODEL_TYPE) in mergeflow/megatron.py."
+            "Add them to HF_FROM_MEGATRON (or TABLES_BY_MODEL_TYPE) in mergeflow/formats/megatron/names.py."
         )
     return MegatronIndex(
         checkpoint_dir=layout.checkpoint_dir,
@@ -118,7 +124,26 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
         stored=stored,
         geometry=geometry,
         aliases={},
+        saved_layout=layout.saved_layout,
+        parallelism=layout.parallelism(),
     )
+
+
+def _mtp_shared_tensors(tensors: dict[str, MegatronTensor], geometry: Geometry) -> dict[str, MegatronTensor]:
+    """Each MTP layer's copies of the embedding and the head (the head is the embedding when tied), read
+    from the tensors megatron-core shares with the main model."""
+    layers = {
+        int(match[1])
+        for name in tensors
+        if (match := DECODER_LAYER.match(name)) and int(match[1]) >= geometry.num_layers
+    }
+    copies = {}
+    for layer in sorted(layers):
+        for name_in_layer, shared in MTP_SHARED.items():
+            source = tensors.get(shared) or tensors[MTP_SHARED["embed_tokens.weight"]]
+            name = f"model.layers.{layer}.{name_in_layer}"
+            copies[name] = dataclasses.replace(source, name=name)
+    return copies
 
 
 def _tensor_parallel(stored: dict[str, StoredTensor]) -> int | None:

@@ -1,5 +1,7 @@
 """Where a Megatron checkpoint's parts are, in either of verl's layouts (names only: imports no torch)."""
 
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,17 @@ DIST_CKPT_SUBDIR = "dist_ckpt"
 HF_WEIGHT_FILES = "*.safetensors"
 MODEL_SUBDIR = "model"
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+TRANSFORMER_CONFIG_FILE = "transformer_config.json"
+"""megatron-core's TransformerConfig, as verl saves it with the `extra` contents."""
+PARALLEL_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "context_parallel_size",
+    "mtp_num_layers",
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,28 @@ class MegatronLayout:
     @property
     def config_dir(self) -> str:
         return self.hf_dir
+
+    @property
+    def saved_layout(self) -> str:
+        """Which of verl's layouts this is, as `inspect` names it."""
+        checkpoint = Path(self.checkpoint_dir)
+        if (checkpoint / CONTENTS_FILE).is_file():
+            return f"verl v2 ({CONTENTS_FILE})"
+        if self.dist_ckpt_dir is None or self.hf_weights:
+            return f"Hugging Face weights in {os.path.relpath(self.hf_dir, checkpoint)}"
+        return f"{os.path.relpath(self.dist_ckpt_dir, checkpoint)}/ without {CONTENTS_FILE}"
+
+    def parallelism(self) -> dict[str, int]:
+        """The parallel sizes megatron-core was configured with, from the `transformer_config.json` verl saves
+        beside the archive (empty without one)."""
+        path = Path(self.checkpoint_dir) / TRANSFORMER_CONFIG_FILE
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(config, dict):
+            return {}
+        return {name: config[name] for name in PARALLEL_SIZES if isinstance(config.get(name), int)}
 
     @property
     def model_dir(self) -> str | None:

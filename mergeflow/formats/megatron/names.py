@@ -13,6 +13,10 @@ from mergeflow.formats.megatron.dcp import StoredTensor
 
 LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
 """A decoder-layer key: stacked (no index, layers on the first axis) or one layer's (`decoder.layers.3.`)."""
+MTP_LAYERS = re.compile(r"^mtp\.layers\.(\d+)\.")
+"""A multi-token-prediction layer's key (`mtp.layers.0.`): it follows the decoder's layers."""
+MTP_DECODER_LAYER = "transformer_layer."
+"""Within an MTP layer, its decoder layer, keyed as the decoder's layers are."""
 EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
 """Routed experts: on an axis of their own (no index) or one key per expert (`.experts.experts.7.`)."""
 TRAINING_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
@@ -130,13 +134,27 @@ DEEPSEEK_MOE: dict[str, list[tuple[str, str]]] = {
         ("model.layers.{layer}.mlp.shared_experts.down_proj.weight", COPY)
     ],
 }
-"""DeepSeek-V3's router with its expert bias (aux-loss-free balancing) and its ungated shared experts."""
+"""DeepSeek-V3's (and GLM-4.5's) router with its expert bias (aux-loss-free balancing) and their ungated
+shared experts."""
+
+MTP: dict[str, list[tuple[str, str]]] = {
+    "mtp.layers.{layer}.enorm.weight": [("model.layers.{layer}.enorm.weight", COPY)],
+    "mtp.layers.{layer}.hnorm.weight": [("model.layers.{layer}.hnorm.weight", COPY)],
+    "mtp.layers.{layer}.eh_proj.weight": [("model.layers.{layer}.eh_proj.weight", COPY)],
+    "mtp.layers.{layer}.final_layernorm.weight": [("model.layers.{layer}.shared_head.norm.weight", COPY)],
+}
+"""A multi-token-prediction layer's own tensors, under the names of DeepSeek-V3's checkpoints: layer
+`num_hidden_layers + k` (its decoder layer is named as the decoder's; the index adds the copies of the
+embedding and the head that those checkpoints hold, `MTP_SHARED`)."""
+MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+"""An MTP layer's copies (by name in the layer) of the model's embedding and head, which megatron-core shares."""
 
 TABLES_BY_MODEL_TYPE = {
     "qwen2_moe": QWEN_MOE,
     "qwen3_moe": QWEN_MOE,
     "mixtral": MIXTRAL_MOE,
-    "deepseek_v3": {**MLA, **DEEPSEEK_MOE},
+    "deepseek_v3": {**MLA, **DEEPSEEK_MOE, **MTP},
+    "glm4_moe": {**DEEPSEEK_MOE, **MTP},
 }
 """What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -192,6 +210,12 @@ def locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list
     Raises:
         PlanError: a stacked axis whose length is not the config's number of layers or experts.
     """
+    mtp = MTP_LAYERS.match(key)
+    if mtp is not None:
+        layer, rest = geometry.num_layers + int(mtp[1]), key[mtp.end() :]
+        if rest.startswith(MTP_DECODER_LAYER):
+            return locate(f"decoder.layers.{layer}.{rest.removeprefix(MTP_DECODER_LAYER)}", entry, geometry)
+        return f"mtp.layers.{{layer}}.{rest}", [((), {"layer": layer})]
     layers = LAYERS.match(key)
     if layers is None:
         return key, [((), {})]

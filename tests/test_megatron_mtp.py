@@ -1,0 +1,80 @@
+"""DeepSeek-V3's multi-token-prediction layer, saved by megatron-core (`mtp.layers.0.*`), is kept under the
+names DeepSeek-V3's checkpoints use, or left out on request.
+
+The reference model's MTP tensors are added to its safetensors as those checkpoints hold them (transformers
+builds no MTP layer); megatron-core's MTP block is filled from them and saves them into the archive."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from mergeflow.cli import main
+from tests.merging import load_weights, merge_with_engine
+
+FIXTURE = "megatron-deepseek-v3-mla-mtp-ep2"
+MTP_LAYER = "model.layers.2."
+"""The tiny model has two decoder layers: its MTP layer is the third."""
+
+
+@pytest.fixture(scope="module")
+def merged_with_mtp(megatron_fixtures, tmp_path_factory):
+    target = tmp_path_factory.mktemp("mtp") / "merged"
+    merge_with_engine(megatron_fixtures[FIXTURE].checkpoint_dir, target, backend="megatron", dtype="keep")
+    return load_weights(target)
+
+
+@pytest.fixture(scope="module")
+def merged_without_mtp(megatron_fixtures, tmp_path_factory):
+    target = tmp_path_factory.mktemp("mtp") / "merged"
+    merge_with_engine(megatron_fixtures[FIXTURE].checkpoint_dir, target, backend="megatron", dtype="keep", drop_mtp=True)
+    return target
+
+
+def test_the_mtp_layer_is_kept_under_deepseeks_names(merged_with_mtp):
+    names = {name.removeprefix(MTP_LAYER) for name in merged_with_mtp if name.startswith(MTP_LAYER)}
+
+    assert {
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "embed_tokens.weight",
+        "self_attn.kv_b_proj.weight",
+        "mlp.experts.3.down_proj.weight",
+    } <= names
+
+
+def test_the_mtp_tensors_equal_the_source(megatron_fixtures, merged_with_mtp):
+    reference = load_weights(megatron_fixtures[FIXTURE].reference_dir)
+    mtp_names = [name for name in reference if name.startswith(MTP_LAYER)]
+
+    assert mtp_names
+    assert [name for name in mtp_names if not torch.equal(merged_with_mtp[name], reference[name])] == []
+
+
+def test_the_mtp_layer_holds_copies_of_the_models_embedding_and_head(merged_with_mtp):
+    assert torch.equal(merged_with_mtp[f"{MTP_LAYER}embed_tokens.weight"], merged_with_mtp["model.embed_tokens.weight"])
+    assert torch.equal(merged_with_mtp[f"{MTP_LAYER}shared_head.head.weight"], merged_with_mtp["lm_head.weight"])
+
+
+def test_dropping_mtp_writes_no_mtp_tensor(merged_without_mtp):
+    assert [name for name in load_weights(merged_without_mtp) if name.startswith(MTP_LAYER)] == []
+
+
+def test_the_model_without_mtp_loads_in_transformers_with_no_unexpected_or_missing_keys(merged_without_mtp):
+    _, info = transformers.DeepseekV3ForCausalLM.from_pretrained(merged_without_mtp, output_loading_info=True)
+
+    assert (set(info["unexpected_keys"]), set(info["missing_keys"])) == (set(), set())
+
+
+def test_inspect_reports_the_mtp_layer_the_layout_and_the_parallel_sizes(megatron_fixtures, capsys):
+    main(["inspect", "--backend", "megatron", str(megatron_fixtures[FIXTURE].checkpoint_dir), "--json"])
+
+    description = json.loads(capsys.readouterr().out)
+    assert description["mtp_layers"] == 1
+    assert description["model_type"] == "deepseek_v3"
+    assert description["layout"] == "verl v2 (ckpt_contents.json)"
+    assert (description["expert_model_parallel_size"], description["pipeline_model_parallel_size"]) == (2, 1)
