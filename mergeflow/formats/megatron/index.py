@@ -36,7 +36,8 @@ from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_config
 
 @dataclass(frozen=True)
 class MegatronTensor:
-    """One Hugging Face tensor, as a part of one layer of a stored megatron-core tensor."""
+    """One Hugging Face tensor, as a part of one layer of a stored megatron-core tensor (or, for a model that
+    saves all of a layer's experts in one tensor, the parts of each expert's, stacked)."""
 
     name: str
     dtype: str
@@ -45,6 +46,8 @@ class MegatronTensor:
     leading: tuple[int, ...]
     """Indices into the stored tensor's stacked axes (layer, expert) that select this tensor's source."""
     part: str
+    experts: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """For a tensor of all experts: each expert's (key, leading), in expert order; row i is expert i's part."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
         key: entry for key, entry in read_metadata(Path(layout.dist_ckpt_dir)).items() if not TRAINING_STATE.match(key)
     }
     tensors: dict[str, MegatronTensor] = {}
+    expert_parts: dict[str, dict[int, MegatronTensor]] = {}
     unmapped = []
     for key, entry in stored.items():
         template, placements = locate(key, entry, geometry)
@@ -108,7 +112,12 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
             for name_template, part in hf_names:
                 name = name_template.format(**fields)
                 shape = part_shape(part, entry.shape[len(leading) :], geometry, key)
-                tensors[name] = MegatronTensor(name, dtype_name(entry.dtype), shape, key, leading, part)
+                tensor = MegatronTensor(name, dtype_name(entry.dtype), shape, key, leading, part)
+                if "expert" in fields and "{expert}" not in name_template:
+                    expert_parts.setdefault(name, {})[fields["expert"]] = tensor
+                else:
+                    tensors[name] = tensor
+    tensors |= {name: _all_experts(parts, geometry) for name, parts in expert_parts.items()}
     tensors |= _mtp_shared_tensors(tensors, geometry)
     if unmapped:
         raise PlanError(
@@ -126,6 +135,22 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
         aliases={},
         saved_layout=layout.saved_layout,
         parallelism=layout.parallelism(),
+    )
+
+
+def _all_experts(parts: dict[int, MegatronTensor], geometry: Geometry) -> MegatronTensor:
+    """One tensor of every expert's part, stacked in expert order.
+
+    Raises:
+        PlanError: the archive holds other experts than the config's.
+    """
+    first = parts[min(parts)]
+    if sorted(parts) != list(range(geometry.num_experts)):
+        raise PlanError(f"{first.name}: the archive holds experts {sorted(parts)}, the config {geometry.num_experts}")
+    return dataclasses.replace(
+        first,
+        shape=(geometry.num_experts, *first.shape),
+        experts=tuple((parts[expert].key, parts[expert].leading) for expert in sorted(parts)),
     )
 
 
@@ -168,16 +193,20 @@ class MegatronSource:
         self._parts: OrderedDict[tuple[str, torch.dtype], torch.Tensor] = OrderedDict()
 
     def rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        value = _cached(self._parts, (name, dtype), self.CACHED_PARTS, lambda: self._part(name, dtype))
+        tensor = self._index.tensors[name]
+        if tensor.experts:
+            return torch.stack([self._part(tensor, *tensor.experts[expert], dtype) for expert in range(start, stop)])
+        value = _cached(
+            self._parts, (name, dtype), self.CACHED_PARTS, lambda: self._part(tensor, tensor.key, tensor.leading, dtype)
+        )
         return value if not value.dim() else value[start:stop]
 
-    def _part(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        tensor = self._index.tensors[name]
+    def _part(self, tensor: MegatronTensor, key: str, leading: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         stored = _cached(
             self._slices,
-            (tensor.key, tensor.leading),
+            (key, leading),
             self.CACHED_SLICES,
-            lambda: read_slice(Path(self._index.dist_ckpt_dir), self._index.stored[tensor.key], tensor.leading),
+            lambda: read_slice(Path(self._index.dist_ckpt_dir), self._index.stored[key], leading),
         )
         return split_part(stored, tensor.part, self._index.geometry).to(dtype)
 

@@ -25,6 +25,8 @@ GLU_HALF = re.compile(r"^(.+)_([wv])$")
 """fc1 stored as its gate (`_w`) and up (`_v`) halves, as megatron-core writes singleton shards."""
 
 COPY, VOCAB, Q, K, V, GATE, UP = "copy", "vocab", "q", "k", "v", "gate", "up"
+GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T, TRANSPOSED = "gate_up_interleaved", "gate_up_interleaved_t", "transposed"
+"""gpt-oss's expert layout: gate and up rows interleaved (and, for weights, stored input-major: transposed)."""
 HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
     "embedding.word_embeddings.weight": [("model.embed_tokens.weight", VOCAB)],
     "decoder.final_layernorm.weight": [("model.norm.weight", COPY)],
@@ -149,12 +151,31 @@ embedding and the head that those checkpoints hold, `MTP_SHARED`)."""
 MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 """An MTP layer's copies (by name in the layer) of the model's embedding and head, which megatron-core shares."""
 
+GPT_OSS: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.self_attention.linear_proj.bias": [("model.layers.{layer}.self_attn.o_proj.bias", COPY)],
+    "decoder.layers.{layer}.self_attention.core_attention.softmax_offset": [("model.layers.{layer}.self_attn.sinks", COPY)],
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.mlp.router.weight", COPY)],
+    "decoder.layers.{layer}.mlp.router.bias": [("model.layers.{layer}.mlp.router.bias", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": [
+        ("model.layers.{layer}.mlp.experts.gate_up_proj", GATE_UP_INTERLEAVED_T)
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.bias": [
+        ("model.layers.{layer}.mlp.experts.gate_up_proj_bias", GATE_UP_INTERLEAVED)
+    ],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": [("model.layers.{layer}.mlp.experts.down_proj", TRANSPOSED)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.bias": [("model.layers.{layer}.mlp.experts.down_proj_bias", COPY)],
+}
+"""gpt-oss: biases on the attention output and the router, attention sinks (megatron-core's learnable softmax
+offset), and experts saved as one tensor per layer for all of them (a table name without `{expert}`), gate and
+up interleaved, weights transposed."""
+
 TABLES_BY_MODEL_TYPE = {
     "qwen2_moe": QWEN_MOE,
     "qwen3_moe": QWEN_MOE,
     "mixtral": MIXTRAL_MOE,
     "deepseek_v3": {**MLA, **DEEPSEEK_MOE, **MTP},
     "glm4_moe": {**DEEPSEEK_MOE, **MTP},
+    "gpt_oss": GPT_OSS,
 }
 """What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -258,6 +279,8 @@ def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) 
         return (heads * geometry.head_dim, *tail)
     if part in (GATE, UP):
         return (rows // 2, *tail)
+    if part in (GATE_UP_INTERLEAVED_T, TRANSPOSED):
+        return tuple(reversed(shape))
     if part == VOCAB:
         return (min(rows, geometry.vocab_size), *tail)
     return shape
@@ -272,6 +295,12 @@ def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tens
     if part in (GATE, UP):
         half = value.shape[0] // 2
         return value[:half] if part == GATE else value[half:]
+    if part == TRANSPOSED:
+        return value.T.contiguous()
+    if part in (GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T):
+        gate, up = value.chunk(2)
+        interleaved = torch.stack([gate, up], dim=1).reshape(value.shape)
+        return interleaved.T.contiguous() if part == GATE_UP_INTERLEAVED_T else interleaved
     per_group = geometry.num_heads // geometry.num_query_groups
     groups = value.reshape(geometry.num_query_groups, per_group + 2, geometry.head_dim, *value.shape[1:])
     picked = {Q: groups[:, :per_group], K: groups[:, per_group], V: groups[:, per_group + 1]}[part]
