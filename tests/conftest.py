@@ -107,7 +107,7 @@ MEGATRON_FIXTURE_SPECS = [
     MegatronFixtureSpec("megatron-qwen2moe-ep2", model="qwen2_moe", ep=2),
     MegatronFixtureSpec("megatron-qwen3moe-tp2", model="qwen3_moe", tp=2),
     MegatronFixtureSpec("megatron-mixtral-ep2-singleton-shards", model="mixtral", ep=2, singleton_shards=True),
-    MegatronFixtureSpec("megatron-deepseek-v3-mla-mtp-ep2", model="deepseek_v3", ep=2, mtp=1),
+    MegatronFixtureSpec("megatron-deepseek-v3-mla-mtp-tp2-ep2", model="deepseek_v3", tp=2, ep=2, mtp=1),
     MegatronFixtureSpec("megatron-glm4moe-tp2-ep2-mtp", model="glm4_moe", tp=2, ep=2, mtp=1),
     MegatronFixtureSpec("megatron-gptoss-tp2-ep2", model="gpt_oss", tp=2, ep=2),
 ]

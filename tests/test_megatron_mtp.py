@@ -13,7 +13,7 @@ import transformers
 from mergeflow.cli import main
 from tests.merging import load_weights, merge_with_engine
 
-FIXTURE = "megatron-deepseek-v3-mla-mtp-ep2"
+FIXTURE = "megatron-deepseek-v3-mla-mtp-tp2-ep2"
 MTP_LAYER = "model.layers.2."
 """The tiny model has two decoder layers: its MTP layer is the third."""
 
