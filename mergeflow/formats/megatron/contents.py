@@ -46,6 +46,8 @@ def read_contents(checkpoint_dir: Path) -> CheckpointContents | None:
         contents = manifest["contents"]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path}: not a verl checkpoint manifest ({error})") from None
+    if not isinstance(contents, dict):
+        raise CheckpointError(f"{path}: not a verl checkpoint manifest (its contents are not a mapping)")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise CheckpointError(
             f"{path}: layout schema_version {manifest.get('schema_version')!r}; mergeflow reads version {SCHEMA_VERSION}"
@@ -59,7 +61,8 @@ def read_contents(checkpoint_dir: Path) -> CheckpointContents | None:
         model_path=_inside(checkpoint_dir, model.get("path"), path),
         model_format=model["format"],
         config_dir=_inside(checkpoint_dir, config.get("path"), path) if isinstance(config, dict) else None,
-        peft=bool((manifest.get("backend") or {}).get("peft")) or "peft_adapters" in contents,
+        peft=(isinstance(backend := manifest.get("backend"), dict) and bool(backend.get("peft")))
+        or "peft_adapters" in contents,
     )
 
 
