@@ -130,3 +130,15 @@ def test_the_2025_layout_needs_no_manifest(megatron_fixtures):
 
 def test_the_manifest_counts_as_a_training_file():
     assert is_training_file(CONTENTS_FILE, is_dir=False)
+
+
+def test_the_peft_refusal_points_to_the_adapter_verl_exported(v2_checkpoint):
+    exported = v2_checkpoint / "model" / "huggingface" / "adapter"
+    exported.mkdir()
+    (exported / "adapter_config.json").write_text("{}")
+    edit_manifest(v2_checkpoint, lambda manifest: manifest["backend"].update(peft=True))
+
+    with pytest.raises(CheckpointError) as refused:
+        find_megatron_checkpoint(v2_checkpoint)
+
+    assert refused.value.hint == f"verl exported the adapter as a PEFT folder: load {exported} with PeftModel.from_pretrained"

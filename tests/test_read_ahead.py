@@ -1,6 +1,7 @@
 """Read-ahead: checkpoint files reach the page cache while it runs, and reading stops when it is stopped."""
 
 import ctypes
+import itertools
 import mmap
 import os
 import threading
@@ -12,6 +13,7 @@ from mergeflow.perf import read_ahead as read_ahead_module
 from mergeflow.perf.read_ahead import ReadAhead
 
 FILE_BYTES = 8 * 1024 * 1024
+HINT_BYTES = 1024 * 1024
 WAIT_SECONDS = 10
 
 
@@ -57,14 +59,29 @@ def test_a_cold_file_is_not_in_the_page_cache(tmp_path):
     assert not cached(cold_file(tmp_path / "a.pt"))
 
 
-def test_files_reach_the_page_cache_while_it_runs(tmp_path):
+def test_the_kernel_is_asked_to_read_every_byte_of_every_file(tmp_path, monkeypatch):
+    """Where the device says how much a hint reads, every byte is hinted (whether the kernel reads a hint is
+    its own choice: under memory pressure it drops them, so the test checks the requests, not the cache)."""
+    monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: HINT_BYTES)
+    hinted: dict[int, list[tuple[int, int]]] = {}
+    fadvise = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            hinted.setdefault(os.fstat(fd).st_ino, []).append((offset, length))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
     files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
-    assert not any(cached(path) for path in files)
 
     reading = ReadAhead([str(path) for path in files]).start()
+    assert wait_until(lambda: not reading.running)
 
-    assert wait_until(lambda: all(cached(path) for path in files))
-    reading.stop()
+    for path in files:
+        requests = sorted(hinted[path.stat().st_ino])
+        assert requests[0][0] == 0
+        assert all(offset == previous + length for (previous, length), (offset, _) in itertools.pairwise(requests))
+        assert sum(requests[-1]) >= FILE_BYTES
 
 
 def test_files_are_read_through_where_the_device_does_not_say_how_much_a_hint_reads(tmp_path, monkeypatch):
@@ -87,7 +104,8 @@ def test_stopping_ends_its_threads(tmp_path):
     assert not reading.running
 
 
-def test_a_missing_file_is_skipped(tmp_path):
+def test_a_missing_file_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: 0)  # read through: the cache shows it
     present = cold_file(tmp_path / "present.pt")
     assert not cached(present)
 

@@ -21,6 +21,8 @@ DIST_CKPT_SUBDIR = "dist_ckpt"
 HF_WEIGHT_FILES = "*.safetensors"
 MODEL_SUBDIR = "model"
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+PEFT_EXPORT_SUBDIR = "adapter"
+"""Where verl (with Megatron-Bridge) exports a PEFT run's adapter, under `model/huggingface/`."""
 TRANSFORMER_CONFIG_FILE = "transformer_config.json"
 """megatron-core's TransformerConfig, as verl saves it with the `extra` contents."""
 PARALLEL_SIZES = (
@@ -130,9 +132,13 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
 
 def _from_contents(local_dir: Path, contents: CheckpointContents) -> MegatronLayout:
     if contents.peft:
+        exported = local_dir / MODEL_SUBDIR / HF_SUBDIR / PEFT_EXPORT_SUBDIR
         raise CheckpointError(
             f"{local_dir / CONTENTS_FILE}: the run trained PEFT (LoRA) adapters with the Megatron backend, and "
-            "mergeflow does not merge Megatron adapters yet"
+            "mergeflow does not merge Megatron adapters yet",
+            hint=f"verl exported the adapter as a PEFT folder: load {exported} with PeftModel.from_pretrained"
+            if (exported / "adapter_config.json").is_file()
+            else None,
         )
     config_dir = contents.config_dir or local_dir / MODEL_SUBDIR / HF_SUBDIR
     if contents.model_format == HF_FORMAT:
