@@ -70,9 +70,10 @@ def merge_checkpoint(
     whose output is still in place, is a cache hit: every step shows Cached and nothing is read or written
     (`refresh_cache` forces a new merge). A LoRA checkpoint gives the base model plus `lora_adapter/`, or
     with `merge_lora` the base model with the LoRA folded in; `quantize="fp8"` stores the linear layers'
-    weights in FP8 with 128×128 block scales; `drop_mtp` leaves out multi-token-prediction layers. With `hf_upload_path` the validated model is
-    uploaded to the Hub, on `revision` (default: a branch per training step, `step-N`); the token comes
-    from HF_TOKEN, the huggingface_hub login, or the Prefect Secret block named by `hf_token_secret`.
+    weights in FP8 with 128×128 block scales; `drop_mtp` leaves out multi-token-prediction layers. With
+    `hf_upload_path` the validated model is uploaded to the Hub, on `revision` (default: a branch per
+    training step, `step-N`); the token comes from HF_TOKEN, the huggingface_hub login, or the Prefect
+    Secret block named by `hf_token_secret`.
     """
     if hf_upload_path:
         check_repo_id(hf_upload_path)

@@ -192,8 +192,9 @@ def mtp_layer_names(names: Iterable[str], spec: ModelSpec) -> list[str]:
     """The tensors of layers after the decoder's that the config does not declare: the multi-token-prediction
     layers DeepSeek-V3-style checkpoints keep as `model.layers.{num_hidden_layers + k}`."""
     declared = [int(match[1]) for name in (*spec.expected_shapes, *spec.saved_shapes) if (match := DECODER_LAYER.match(name))]
-    last = max(declared, default=-1)
-    return [name for name in names if (match := DECODER_LAYER.match(name)) and int(match[1]) > last]
+    if not declared:
+        return []
+    return [name for name in names if (match := DECODER_LAYER.match(name)) and int(match[1]) > max(declared)]
 
 
 def expected_shapes(spec: ModelSpec, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
