@@ -2,9 +2,8 @@
 
 verl writes `latest_checkpointed_iteration.txt` in the run root after a checkpoint's files (and, in its v2
 Megatron layout, after `ckpt_contents.json`), so the watcher acts on that file only: a directory still being
-written is never announced. What was announced
-is recorded in a state file, so a restarted watcher does not announce it again; event ids are
-deterministic too (same checkpoint files, same id).
+written is never announced. What was announced is recorded in a state file, so a restarted watcher does not
+announce it again; event ids are deterministic too (same checkpoint files, same id).
 """
 
 import contextlib

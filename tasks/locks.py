@@ -29,6 +29,16 @@ class ProcessAwareLockManager(FileSystemLockManager):
                 return False
         return True
 
+    def _get_lock_info(self, key: str, use_cache: bool = True) -> dict | None:
+        """The lock's record; a file that is not one (left by an older mergeflow killed between creating and
+        writing it: this one never shows a partial record) holds nothing and is removed."""
+        try:
+            return super()._get_lock_info(key, use_cache=use_cache)
+        except ValueError:
+            Path(self._lock_path_for_key(key)).unlink(missing_ok=True)
+            self._locks.pop(key, None)
+            return None
+
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
         info = self._get_lock_info(key, use_cache=use_cache)
         if info is not None and _process_is_gone(info.get("host"), info.get("pid")):

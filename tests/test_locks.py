@@ -49,6 +49,13 @@ def test_a_lock_whose_process_was_killed_is_free(tmp_path):
     assert locks.acquire_lock(KEY, holder="next run", acquire_timeout=0.3)
 
 
+def test_a_lock_file_that_holds_no_record_is_free(tmp_path):
+    (tmp_path / f"{KEY}.lock").write_text("")
+    locks = ProcessAwareLockManager(lock_files_directory=tmp_path)
+
+    assert locks.acquire_lock(KEY, holder="next run", acquire_timeout=0.3)
+
+
 def test_a_lock_file_names_its_process(tmp_path):
     locks = ProcessAwareLockManager(lock_files_directory=tmp_path)
     locks.acquire_lock(KEY, holder="first")
