@@ -26,6 +26,11 @@ class CliRun:
         return lines[-1] if lines else ""
 
 
+def without_a_server() -> dict[str, str]:
+    """The environment of a user who configured no Prefect server: `mergeflow` starts a temporary one."""
+    return {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> CliRun:
     started = time.monotonic()
     done = subprocess.run(

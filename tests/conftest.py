@@ -1,5 +1,6 @@
 """Session-wide fixtures: real FSDP checkpoints (written once) and a real Prefect server."""
 
+import functools
 import os
 import shutil
 import tempfile
@@ -15,9 +16,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ[spec_cache.CACHE_DIR_VARIABLE] = tempfile.mkdtemp(prefix="mergeflow-cache-")
 
 import pytest
+from filelock import FileLock
 
-from mergeflow.testing.fsdp import Fixture, FixtureSpec, write_fixtures
-from mergeflow.testing.megatron import MegatronFixture, MegatronFixtureSpec, write_megatron_fixtures
+from mergeflow.testing.fsdp import Fixture, FixtureSpec, fixture_at, write_fixtures
+from mergeflow.testing.megatron import (
+    MegatronFixture,
+    MegatronFixtureSpec,
+    megatron_fixture_at,
+    write_megatron_fixtures,
+)
+from tests import vllm_venv
 
 GENERATION_CONFIG = {
     "do_sample": True,
@@ -50,6 +58,8 @@ FIXTURE_SPECS = [
         mesh_dim_names=("ddp", "fsdp"),
     ),
 ]
+WRITTEN = ".written"
+"""Marks a fixture directory whose writing finished."""
 FIXTURE_NAMES = [spec.name for spec in FIXTURE_SPECS]
 
 LORA = {"r": 4, "lora_alpha": 16, "task_type": "CAUSAL_LM"}
@@ -91,12 +101,48 @@ WIDE_SPEC = FixtureSpec("qwen2-wide-ws2", model="qwen2-wide", world_size=2, tie=
 """Weights of several whole 128×128 FP8 blocks (attention), and MLP weights of a partial block beside whole ones."""
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building vLLM's venv when a collected test needs it, so that it is ready by the time that runs."""
+    if any("vllm_python" in getattr(item, "fixturenames", ()) for item in session.items):
+        session.config.stash[vllm_venv.BUILDING] = vllm_venv.start_building()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    building = session.config.stash.get(vllm_venv.BUILDING, None)
+    if building is not None:
+        building.end()
+
+
+def written_once(tmp_path_factory: pytest.TempPathFactory, name: str, write: Callable[[Path], object]) -> Path:
+    """The directory `name` that `write` fills once for the whole run: under pytest-xdist, the first worker
+    to ask writes it and the others wait for it."""
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent
+    directory = root / name
+    with FileLock(f"{directory}.lock"):
+        if not (directory / WRITTEN).exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            write(directory)
+            (directory / WRITTEN).touch()
+    return directory
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fixture_sets_written_side_by_side(request: pytest.FixtureRequest) -> None:
+    """Under pytest-xdist, the second worker starts by writing the Megatron fixtures while the first writes the
+    FSDP ones, instead of both waiting for the FSDP ones first."""
+    needed = any("megatron_fixtures" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    if needed and os.environ.get("PYTEST_XDIST_WORKER") == "gw1":
+        request.getfixturevalue("megatron_fixtures")
+
+
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict[str, Fixture]:
-    """Every fixture checkpoint, written once per session by real torch FSDP on gloo."""
-    return write_fixtures(
-        [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC, WIDE_SPEC], tmp_path_factory.mktemp("fixtures")
-    )
+    """Every fixture checkpoint, written once per run by real torch FSDP on gloo."""
+    specs = [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC, WIDE_SPEC]
+    root = written_once(tmp_path_factory, "fixtures", functools.partial(write_fixtures, specs))
+    return {spec.name: fixture_at(spec, root) for spec in specs}
 
 
 MEGATRON_FIXTURE_SPECS = [
@@ -116,8 +162,10 @@ MEGATRON_FIXTURE_NAMES = [spec.name for spec in MEGATRON_FIXTURE_SPECS]
 
 @pytest.fixture(scope="session")
 def megatron_fixtures(tmp_path_factory) -> dict[str, MegatronFixture]:
-    """Every Megatron fixture checkpoint, written once per session by real megatron-core on gloo."""
-    return write_megatron_fixtures(MEGATRON_FIXTURE_SPECS, tmp_path_factory.mktemp("megatron-fixtures"))
+    """Every Megatron fixture checkpoint, written once per run by real megatron-core on gloo."""
+    write = functools.partial(write_megatron_fixtures, MEGATRON_FIXTURE_SPECS)
+    root = written_once(tmp_path_factory, "megatron-fixtures", write)
+    return {spec.name: megatron_fixture_at(spec, root) for spec in MEGATRON_FIXTURE_SPECS}
 
 
 @pytest.fixture
@@ -136,10 +184,13 @@ def copy_checkpoint(fixtures, tmp_path) -> Callable[[str], Fixture]:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """A real, temporary Prefect server (and database) for the session; results go to a temp dir."""
+    """A real, temporary Prefect server (and database) for the session; results go to a temp dir. The server
+    is the configured one (`PREFECT_API_URL`) from then on, for `mergeflow` commands run here and in
+    subprocesses alike, as it would be for a user who keeps one up."""
     from prefect.settings import (
         PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
         PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        get_current_settings,
         temporary_settings,
     )
     from prefect.testing.utilities import prefect_test_harness
@@ -150,7 +201,10 @@ def prefect_server(tmp_path_factory):
             {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}
         ),
         prefect_test_harness(server_startup_timeout=180),
+        pytest.MonkeyPatch.context() as environment,
     ):
+        environment.setenv("PREFECT_API_URL", str(get_current_settings().api.url))
+        environment.setenv("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(storage))
         yield
 
 

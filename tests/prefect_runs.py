@@ -1,6 +1,5 @@
 """Reading flow and task runs back from the Prefect API, which receives task runs as events: poll, within a bound."""
 
-import os
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -13,7 +12,6 @@ from prefect.client.schemas.filters import (
     TaskRunFilterName,
 )
 from prefect.client.schemas.objects import TaskRun
-from prefect.settings import get_current_settings
 
 API_WAIT_SECONDS = 30
 
@@ -50,15 +48,3 @@ def task_runs_named(fragment: str, *, count: int, since: datetime) -> list[TaskR
         return [run for run in runs if run.expected_start_time >= since]
 
     return _poll(read, lambda runs: _all_final(runs, count))
-
-
-def subprocess_env() -> dict[str, str]:
-    """The environment for a `mergeflow` subprocess that talks to this session's Prefect server and shares
-    its result storage and lock directory."""
-    settings = get_current_settings()
-    return {
-        **os.environ,
-        "PREFECT_API_URL": str(settings.api.url),
-        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(settings.results.local_storage_path),
-        "PREFECT_HOME": str(settings.home),
-    }

@@ -12,7 +12,7 @@ import torch
 from mergeflow.errors import OutputError
 from mergeflow.flows.merge import merge_checkpoint
 from tests.merging import load_weights
-from tests.prefect_runs import subprocess_env, task_runs_named, task_runs_of
+from tests.prefect_runs import task_runs_named, task_runs_of
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -143,7 +143,7 @@ def test_concurrent_runs_on_the_same_checkpoint_merge_once(fixtures, tmp_path):
         "--local_dir", str(fixtures["qwen2-ws2"].checkpoint_dir), "--target_dir", str(target_dir),
     ]  # fmt: skip
     started = datetime.now(UTC)
-    runs = [subprocess.Popen(command, env=subprocess_env(), stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     errors = [run.communicate(timeout=300)[1] for run in runs]
 
     assert [run.returncode for run in runs] == [0, 0], errors

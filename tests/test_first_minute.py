@@ -11,8 +11,7 @@ import sys
 import pytest
 
 from mergeflow.cli import EXIT_BAD_INPUT, build_parser
-from tests.cli_runs import run_cli
-from tests.prefect_runs import subprocess_env
+from tests.cli_runs import run_cli, without_a_server
 
 EARLY_SECONDS = 5.0
 """A loose bound for the tests (measured: about 0.2 s); what matters is that nothing heavy is imported."""
@@ -106,7 +105,7 @@ def test_an_error_found_inside_the_flow_reaches_the_console_once(copy_checkpoint
     config_path = fixture.checkpoint_dir / "huggingface" / "config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "intermediate_size": 48}))
 
-    run = run_cli("merge", "--local_dir", fixture.checkpoint_dir, "--target_dir", tmp_path / "out", env=subprocess_env())
+    run = run_cli("merge", "--local_dir", fixture.checkpoint_dir, "--target_dir", tmp_path / "out")
 
     assert run.returncode == EXIT_BAD_INPUT
     assert (run.stdout + run.stderr).count("shape mismatch") == 1
@@ -118,7 +117,7 @@ def test_an_error_found_inside_the_flow_reaches_the_console_once(copy_checkpoint
 def test_a_merge_ends_on_its_verdict_and_shows_no_staging_path(fixtures, tmp_path):
     target = tmp_path / "out"
 
-    run = run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", target, env=subprocess_env())
+    run = run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", target)
 
     assert run.returncode == 0, run.stderr
     assert run.last_line.startswith(f"mergeflow: merged {fixtures['qwen2-ws2'].checkpoint_dir} into {target}")
@@ -127,12 +126,24 @@ def test_a_merge_ends_on_its_verdict_and_shows_no_staging_path(fixtures, tmp_pat
     assert "tensors compared" not in run.stdout + run.stderr
 
 
+def test_a_merge_with_no_server_configured_runs_on_a_temporary_one(fixtures, tmp_path):
+    target = tmp_path / "out"
+
+    run = run_cli(
+        "merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", target, env=without_a_server()
+    )
+
+    assert run.returncode == 0, run.stderr
+    assert run.last_line.startswith(f"mergeflow: merged {fixtures['qwen2-ws2'].checkpoint_dir} into {target}")
+    assert "View at" not in run.stdout + run.stderr, "a temporary server has no UI to link to"
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_validate_casts_an_fp32_reference_to_a_bf16_merge_and_says_so(fixtures, tmp_path):
     target = tmp_path / "out"
-    assert run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", target, env=subprocess_env()).returncode == 0
+    assert run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", target).returncode == 0
 
-    run = run_cli("validate", target, "--test_hf_dir", fixtures["qwen2-ws2"].reference_dir, env=subprocess_env())
+    run = run_cli("validate", target, "--test_hf_dir", fixtures["qwen2-ws2"].reference_dir)
 
     assert run.returncode == 0, run.stderr
     assert "26 tensors equal" in run.last_line

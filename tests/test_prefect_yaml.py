@@ -1,12 +1,11 @@
 """`prefect.yaml` deploys the merge-on-checkpoint and sweep deployments to a work pool."""
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-
-from tests.prefect_runs import subprocess_env
 
 pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
 
@@ -16,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def deployed(prefect_server, tmp_path_factory):
     env = {
-        **subprocess_env(),
+        **os.environ,
         "MERGEFLOW_SOURCE_DIR": str(REPO),
         "MERGEFLOW_RUN_DIR": "/checkpoints/run-a",
         "MERGEFLOW_OUTPUT": "/models",

