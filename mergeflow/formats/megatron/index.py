@@ -24,9 +24,8 @@ from mergeflow.formats.megatron.names import (
     TRAINING_STATE,
     VALUE_HEAD,
     Geometry,
-    geometry_of,
+    components_of,
     locate,
-    mapping_table,
     part_shape,
     split_part,
     targets,
@@ -46,6 +45,8 @@ class MegatronTensor:
     leading: tuple[int, ...]
     """Indices into the stored tensor's stacked axes (layer, expert) that select this tensor's source."""
     part: str
+    geometry: Geometry
+    """Of the model the stored tensor belongs to (a vision-language model's towers differ)."""
     experts: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """For a tensor of all experts: each expert's (key, leading), in expert order; row i is expert i's part."""
 
@@ -92,8 +93,8 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
             f'unknown architecture for the Megatron backend: model_type "{config.model_type}" '
             f"({spec.architecture}) in {spec.config_dir}/config.json; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    geometry = geometry_of(config)
-    table = mapping_table(config.model_type)
+    components = components_of(config)
+    geometry = components[0].geometry
     stored = {
         key: entry for key, entry in read_metadata(Path(layout.dist_ckpt_dir)).items() if not TRAINING_STATE.match(key)
     }
@@ -101,8 +102,12 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     expert_parts: dict[str, dict[int, MegatronTensor]] = {}
     unmapped = []
     for key, entry in stored.items():
-        template, placements = locate(key, entry, geometry)
-        hf_names = targets(template, table)
+        component = next((component for component in components if key.startswith(component.prefix)), None)
+        if component is None:
+            unmapped.append(key)
+            continue
+        template, placements = locate(key.removeprefix(component.prefix), entry, component.geometry)
+        hf_names = targets(template, component.table)
         if template == "output_layer.weight" and spec.is_value_model:
             hf_names = [VALUE_HEAD]
         if hf_names is None:
@@ -111,8 +116,8 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
         for leading, fields in placements:
             for name_template, part in hf_names:
                 name = name_template.format(**fields)
-                shape = part_shape(part, entry.shape[len(leading) :], geometry, key)
-                tensor = MegatronTensor(name, dtype_name(entry.dtype), shape, key, leading, part)
+                shape = part_shape(part, entry.shape[len(leading) :], component.geometry, key)
+                tensor = MegatronTensor(name, dtype_name(entry.dtype), shape, key, leading, part, component.geometry)
                 if "expert" in fields and "{expert}" not in name_template:
                     expert_parts.setdefault(name, {})[fields["expert"]] = tensor
                 else:
@@ -208,7 +213,7 @@ class MegatronSource:
             self.CACHED_SLICES,
             lambda: read_slice(Path(self._index.dist_ckpt_dir), self._index.stored[key], leading),
         )
-        return split_part(stored, tensor.part, self._index.geometry).to(dtype)
+        return split_part(stored, tensor.part, tensor.geometry).to(dtype)
 
     def verify(self) -> None:
         """Nothing left to check: each chunk is checked against its CRC-32 as it is loaded (`dcp.load_chunk`)."""

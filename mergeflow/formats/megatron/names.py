@@ -1,6 +1,7 @@
 """How megatron-core names a model's tensors, mapped onto the names Hugging Face's `save_pretrained` writes:
-one table line per key template (`{layer}`, `{expert}`), and the small functions that locate a stored
-key's layers and experts and split its fused tensors (QKV per query group, gate|up)."""
+one table line per key template (`{layer}`, `{expert}`), one table per tower of a vision-language model, and
+the small functions that locate a stored key's layers and experts and split its fused tensors (QKV per query
+group, gate|up)."""
 
 import itertools
 import re
@@ -25,6 +26,9 @@ GLU_HALF = re.compile(r"^(.+)_([wv])$")
 """fc1 stored as its gate (`_w`) and up (`_v`) halves, as megatron-core writes singleton shards."""
 
 COPY, VOCAB, Q, K, V, GATE, UP = "copy", "vocab", "q", "k", "v", "gate", "up"
+QKV = "qkv"
+"""A fused QKV kept fused: megatron-core's rows, [q, k, v] per query group, regrouped as [all q; all k; all v]
+(the vision blocks of Qwen2.5-VL)."""
 GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T, TRANSPOSED = "gate_up_interleaved", "gate_up_interleaved_t", "transposed"
 """gpt-oss's expert layout: gate and up rows interleaved (and, for weights, stored input-major: transposed)."""
 HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
@@ -169,6 +173,39 @@ GPT_OSS: dict[str, list[tuple[str, str]]] = {
 offset), and experts saved as one tensor per layer for all of them (a table name without `{expert}`), gate and
 up interleaved, weights transposed."""
 
+QWEN2_5_VL_VISION: dict[str, list[tuple[str, str]]] = {
+    "patch_embed.proj.weight": [("visual.patch_embed.proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_qkv.layer_norm_weight": [("visual.blocks.{layer}.norm1.weight", COPY)],
+    "decoder.layers.{layer}.input_layernorm.weight": [("visual.blocks.{layer}.norm1.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_qkv.weight": [("visual.blocks.{layer}.attn.qkv.weight", QKV)],
+    "decoder.layers.{layer}.self_attention.linear_qkv.bias": [("visual.blocks.{layer}.attn.qkv.bias", QKV)],
+    "decoder.layers.{layer}.self_attention.linear_proj.weight": [("visual.blocks.{layer}.attn.proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_proj.bias": [("visual.blocks.{layer}.attn.proj.bias", COPY)],
+    "decoder.layers.{layer}.mlp.linear_fc1.layer_norm_weight": [("visual.blocks.{layer}.norm2.weight", COPY)],
+    "decoder.layers.{layer}.pre_mlp_layernorm.weight": [("visual.blocks.{layer}.norm2.weight", COPY)],
+    "decoder.layers.{layer}.mlp.linear_fc1.weight": [
+        ("visual.blocks.{layer}.mlp.gate_proj.weight", GATE),
+        ("visual.blocks.{layer}.mlp.up_proj.weight", UP),
+    ],
+    "decoder.layers.{layer}.mlp.linear_fc1.bias": [
+        ("visual.blocks.{layer}.mlp.gate_proj.bias", GATE),
+        ("visual.blocks.{layer}.mlp.up_proj.bias", UP),
+    ],
+    "decoder.layers.{layer}.mlp.linear_fc2.weight": [("visual.blocks.{layer}.mlp.down_proj.weight", COPY)],
+    "decoder.layers.{layer}.mlp.linear_fc2.bias": [("visual.blocks.{layer}.mlp.down_proj.bias", COPY)],
+    "decoder.final_layernorm.weight": [("visual.merger.ln_q.weight", COPY)],
+    "projection.encoder.linear_fc1.weight": [("visual.merger.mlp.0.weight", COPY)],
+    "projection.encoder.linear_fc1.bias": [("visual.merger.mlp.0.bias", COPY)],
+    "projection.encoder.linear_fc2.weight": [("visual.merger.mlp.2.weight", COPY)],
+    "projection.encoder.linear_fc2.bias": [("visual.merger.mlp.2.bias", COPY)],
+}
+"""Qwen2.5-VL's vision tower, `vision_model.` in verl's (mbridge's) model: biases on every linear layer, RMSNorms,
+QKV fused as the HF model keeps it, and the patch merger (`ln_q`, then megatron-core's two-layer projector)."""
+LANGUAGE_MODEL, VISION_MODEL = "language_model.", "vision_model."
+"""What the keys of each tower of a vision-language model start with."""
+VISION_TABLES = {"qwen2_5_vl": QWEN2_5_VL_VISION}
+"""The vision tower of each vision-language model type (its language model is a dense decoder's)."""
+
 TABLES_BY_MODEL_TYPE = {
     "qwen2_moe": QWEN_MOE,
     "qwen3_moe": QWEN_MOE,
@@ -179,7 +216,7 @@ TABLES_BY_MODEL_TYPE = {
 }
 """What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys()
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys() | VISION_TABLES.keys()
 VALUE_HEAD = ("score.weight", COPY)
 """A value model's `output_layer` (one output) is its `score` head."""
 
@@ -194,6 +231,35 @@ class Geometry:
     head_dim: int
     vocab_size: int
     num_experts: int
+
+
+@dataclass(frozen=True)
+class Component:
+    """The stored tensors of one model: a language model's, or one tower of a vision-language model."""
+
+    prefix: str
+    """What its keys start with (`vision_model.`); empty for a language model's archive."""
+    table: dict[str, list[tuple[str, str]]]
+    geometry: Geometry
+
+
+def components_of(config) -> list[Component]:
+    """The models an archive of `config`'s model type holds, each with its key prefix, table and geometry."""
+    if config.model_type not in VISION_TABLES:
+        return [Component("", mapping_table(config.model_type), geometry_of(config))]
+    vision = config.vision_config
+    vision_geometry = Geometry(
+        num_layers=vision.depth,
+        num_heads=vision.num_heads,
+        num_query_groups=vision.num_heads,
+        head_dim=vision.hidden_size // vision.num_heads,
+        vocab_size=0,
+        num_experts=0,
+    )
+    return [
+        Component(LANGUAGE_MODEL, HF_FROM_MEGATRON, geometry_of(config.get_text_config())),
+        Component(VISION_MODEL, VISION_TABLES[config.model_type], vision_geometry),
+    ]
 
 
 def mapping_table(model_type: str) -> dict[str, list[tuple[str, str]]]:
@@ -267,7 +333,7 @@ def locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list
 
 def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) -> tuple[int, ...]:
     rows, tail = shape[0], shape[1:]
-    if part in (Q, K, V):
+    if part in (Q, K, V, QKV):
         per_group = geometry.num_heads // geometry.num_query_groups
         expected = geometry.num_query_groups * (per_group + 2) * geometry.head_dim
         if rows != expected:
@@ -275,6 +341,8 @@ def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) 
                 f"{key} has {rows} rows, but {geometry.num_heads} heads in {geometry.num_query_groups} query "
                 f"groups of head_dim {geometry.head_dim} make {expected}"
             )
+        if part == QKV:
+            return shape
         heads = per_group * geometry.num_query_groups if part == Q else geometry.num_query_groups
         return (heads * geometry.head_dim, *tail)
     if part in (GATE, UP):
@@ -301,6 +369,8 @@ def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tens
         gate, up = value.chunk(2)
         interleaved = torch.stack([gate, up], dim=1).reshape(value.shape)
         return interleaved.T.contiguous() if part == GATE_UP_INTERLEAVED_T else interleaved
+    if part == QKV:
+        return torch.cat([split_part(value, one, geometry) for one in (Q, K, V)])
     per_group = geometry.num_heads // geometry.num_query_groups
     groups = value.reshape(geometry.num_query_groups, per_group + 2, geometry.head_dim, *value.shape[1:])
     picked = {Q: groups[:, :per_group], K: groups[:, per_group], V: groups[:, per_group + 1]}[part]

@@ -1,0 +1,151 @@
+"""The vision-language part of the Megatron fixture writer: the model verl trains Qwen2.5-VL with (mbridge's
+`Qwen2_5VLModel`, a megatron-core GPTModel beside a vision tower), filled by mbridge's own Hugging Face →
+megatron-core conversion, so that the archive's layout is mbridge's and not this project's reading of it.
+
+mbridge builds its models from Transformer Engine layers, which need CUDA: here they are megatron-core's local
+layers, with the keys Transformer Engine's would save (`linear_qkv.layer_norm_weight`).
+"""
+
+import contextlib
+import copy
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mergeflow.formats.megatron.names import LANGUAGE_MODEL, VISION_MODEL
+from mergeflow.testing.megatron import LOGITS_INPUT_IDS
+
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
+STACKED_LAYERS = re.compile(r"^((?:language|vision)_model\.decoder\.layers\.)(?!\d)")
+"""A key of every layer's tensors stacked on a leading axis (megatron-core saves layers so)."""
+TE_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""The names Transformer Engine's fused norm+linear layers give the local layers' norms in a checkpoint."""
+
+
+def build_vision_language_model(config, spec: dict, language_fields: dict):
+    """mbridge's Qwen2.5-VL model, its language model configured by `language_fields` and the rest sized by the
+    HF config (mbridge's own vision config is the 7B model's)."""
+    from mbridge.models.qwen2_5_vl.model import Qwen2_5VLModel
+    from mbridge.models.qwen2_5_vl.transformer_config import Qwen2VLTransformerConfig
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    text, vision = config.text_config, config.vision_config
+    language = Qwen2VLTransformerConfig(**language_fields, mrope_section=text.rope_parameters["mrope_section"])
+    vision_config = Qwen2VLTransformerConfig(
+        **language_fields
+        | {
+            "num_layers": vision.depth,
+            "hidden_size": vision.hidden_size,
+            "num_attention_heads": vision.num_heads,
+            "num_query_groups": vision.num_heads,
+            "kv_channels": vision.hidden_size // vision.num_heads,
+            "ffn_hidden_size": vision.intermediate_size,
+            "layernorm_epsilon": 1e-6,
+            "add_bias_linear": True,
+            "add_qkv_bias": True,
+            "bias_activation_fusion": False,
+        }
+    )
+    for name, value in {
+        "patch_size": vision.patch_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "in_channels": vision.in_channels,
+        "spatial_merge_size": vision.spatial_merge_size,
+        "fullatt_block_indexes": vision.fullatt_block_indexes,
+        "_qwen2_5_vl_window_size": vision.window_size,
+        "seq_length": 1,
+    }.items():
+        setattr(vision_config, name, value)
+    projection = Qwen2VLTransformerConfig(
+        **language_fields
+        | {
+            "gated_linear_unit": False,
+            "add_bias_linear": True,
+            "bias_activation_fusion": False,
+            "ffn_hidden_size": vision.hidden_size * vision.spatial_merge_size**2,
+            "activation_func": F.gelu,
+        }
+    )
+    vision_layer = get_vit_layer_with_local_spec()
+    vision_layer.submodules.sharded_state_dict_keys_map = TE_NORM_KEYS
+    return Qwen2_5VLModel(
+        language_transformer_config=language,
+        language_transformer_layer_spec=get_gpt_decoder_block_spec(
+            language, use_transformer_engine=False, normalization="RMSNorm"
+        ),
+        language_vocab_size=text.vocab_size,
+        language_max_sequence_length=text.max_position_embeddings,
+        vision_transformer_config=vision_config,
+        vision_transformer_layer_spec=vision_layer,
+        vision_projection_config=projection,
+        vision_projection_layer_spec=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        language_rotary_base=text.rope_parameters["rope_theta"],
+        language_share_embeddings_and_output_weights=config.tie_word_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        image_token_id=config.image_token_id,
+        video_token_id=config.video_token_id,
+    )
+
+
+def mbridge_values(state: dict[str, torch.Tensor], config) -> Callable[[str], torch.Tensor]:
+    """The global value of any megatron-core key, as mbridge's `Qwen2_5VLBridge` converts the HF weights."""
+    from mbridge.models.qwen2_5_vl import Qwen2_5VLBridge
+
+    bridge = Qwen2_5VLBridge.__new__(Qwen2_5VLBridge)  # its __init__ builds mbridge's own (GPU) model config
+    bridge.hf_config = _text_settings_on_top(config)
+    num_layers = {LANGUAGE_MODEL: config.text_config.num_hidden_layers, VISION_MODEL: config.vision_config.depth}
+
+    def one(key: str) -> torch.Tensor:
+        for local, te in TE_NORM_KEYS.items():
+            key = key.replace(local, te)
+        hf_names = bridge._weight_name_mapping_mcore_to_hf(key)
+        return bridge._weight_to_mcore_format(key, [state[name] for name in hf_names])
+
+    def value(key: str) -> torch.Tensor:
+        stacked = STACKED_LAYERS.match(key)
+        if stacked is None:
+            return one(key)
+        layers = range(num_layers[key[: key.index(".") + 1]])
+        return torch.stack([one(f"{stacked[1]}{i}.{key[stacked.end() :]}") for i in layers])
+
+    return value
+
+
+def _text_settings_on_top(config):
+    """The config with its text settings also at the top level, where mbridge reads them (transformers 5 keeps
+    them only under `text_config`)."""
+    flat = copy.copy(config)
+    for name, value in config.text_config.to_dict().items():
+        if not hasattr(flat, name) or name in ("hidden_size", "num_attention_heads", "num_key_value_heads"):
+            setattr(flat, name, value)
+    return flat
+
+
+def vision_language_logits(model, config) -> torch.Tensor:
+    """megatron-core's logits for LOGITS_INPUT_IDS (text only: the language model, its three M-RoPE position
+    streams alike), gathered over tensor parallel ranks."""
+    from mbridge.models.qwen2_5_vl.attention import Qwen2_5VLSelfAttention
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    attend = Qwen2_5VLSelfAttention.forward
+
+    def forward(self, *args, rotary_pos_cos_sin=None, **kwargs):  # passed by megatron-core newer than mbridge
+        return attend(self, *args, **kwargs)
+
+    Qwen2_5VLSelfAttention.forward = forward
+    input_ids = torch.tensor(LOGITS_INPUT_IDS)
+    length = input_ids.shape[1]
+    positions = torch.arange(length)[None, None].expand(3, 1, length)
+    causal_mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        local = model.eval().language_model(input_ids, positions, causal_mask)
+    gathered = tensor_parallel.gather_from_tensor_model_parallel_region(local)
+    return gathered[..., : config.text_config.vocab_size]
