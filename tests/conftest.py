@@ -137,12 +137,25 @@ def fixture_sets_written_side_by_side(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("megatron_fixtures")
 
 
+def written_by_world_size(tmp_path_factory, name: str, specs: list, write: Callable, locate: Callable) -> dict:
+    """Each world size's fixtures, written once per run (`written_once`): by increasing world size on the first
+    pytest-xdist worker and decreasing on the second, so that two workers needing the same set share its writing."""
+    groups: dict[int, list] = {}
+    for spec in specs:
+        groups.setdefault(spec.world_size, []).append(spec)
+    found = {}
+    for world_size in sorted(groups, reverse=os.environ.get("PYTEST_XDIST_WORKER") == "gw1"):
+        group = groups[world_size]
+        root = written_once(tmp_path_factory, f"{name}-ws{world_size}", functools.partial(write, group))
+        found |= {spec.name: locate(spec, root) for spec in group}
+    return {spec.name: found[spec.name] for spec in specs}
+
+
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every fixture checkpoint, written once per run by real torch FSDP on gloo."""
     specs = [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC, WIDE_SPEC]
-    root = written_once(tmp_path_factory, "fixtures", functools.partial(write_fixtures, specs))
-    return {spec.name: fixture_at(spec, root) for spec in specs}
+    return written_by_world_size(tmp_path_factory, "fixtures", specs, write_fixtures, fixture_at)
 
 
 MEGATRON_FIXTURE_SPECS = [
@@ -164,9 +177,9 @@ MEGATRON_FIXTURE_NAMES = [spec.name for spec in MEGATRON_FIXTURE_SPECS]
 @pytest.fixture(scope="session")
 def megatron_fixtures(tmp_path_factory) -> dict[str, MegatronFixture]:
     """Every Megatron fixture checkpoint, written once per run by real megatron-core on gloo."""
-    write = functools.partial(write_megatron_fixtures, MEGATRON_FIXTURE_SPECS)
-    root = written_once(tmp_path_factory, "megatron-fixtures", write)
-    return {spec.name: megatron_fixture_at(spec, root) for spec in MEGATRON_FIXTURE_SPECS}
+    return written_by_world_size(
+        tmp_path_factory, "megatron-fixtures", MEGATRON_FIXTURE_SPECS, write_megatron_fixtures, megatron_fixture_at
+    )
 
 
 @pytest.fixture
