@@ -154,6 +154,16 @@ def test_an_unmapped_expert_key_is_an_error_that_names_it(megatron_fixtures, mon
         index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
 
 
+def test_an_unmapped_vision_tower_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
+    vision_table = dict(mergeflow.formats.megatron.names.QWEN2_5_VL_VISION)
+    del vision_table["patch_embed.proj.weight"]
+    monkeypatch.setitem(mergeflow.formats.megatron.names.VISION_TABLES, "qwen2_5_vl", vision_table)
+    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen25vl-tp2"].checkpoint_dir)
+
+    with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2_5_vl .*"vision_model.patch_embed.proj.weight"'):
+        index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
+
+
 def test_an_expert_axis_longer_or_shorter_than_the_config_says_is_an_error(megatron_fixtures, tmp_path):
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen3moe-tp2"].checkpoint_dir)
     config = tmp_path / "config"
