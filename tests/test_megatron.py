@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -134,33 +135,26 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
     assert saved.num_tensors == len(load_weights(fixture.reference_dir))
 
 
-def test_an_unmapped_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
-    table = dict(mergeflow.formats.megatron.names.HF_FROM_MEGATRON)
-    del table["decoder.layers.{layer}.mlp.linear_fc2.weight"]
-    monkeypatch.setattr(mergeflow.formats.megatron.names, "HF_FROM_MEGATRON", table)
-    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir)
+@pytest.mark.parametrize(
+    ("fixture", "table", "template", "key"),
+    [
+        ("megatron-qwen2-tp1", "HF_FROM_MEGATRON", "decoder.layers.{layer}.mlp.linear_fc2.weight", "decoder.layers.mlp.linear_fc2.weight"),
+        (
+            "megatron-qwen2moe-ep2",
+            "QWEN_MOE",
+            "decoder.layers.{layer}.mlp.shared_experts.gate_weight",
+            "decoder.layers.1.mlp.shared_experts.gate_weight",
+        ),
+        ("megatron-qwen25vl-tp2", "QWEN2_5_VL_VISION", "patch_embed.proj.weight", "vision_model.patch_embed.proj.weight"),
+    ],
+    ids=["dense", "expert", "vision tower"],
+)
+def test_a_key_the_tables_do_not_know_is_an_error_that_names_it(megatron_fixtures, monkeypatch, fixture, table, template, key):
+    monkeypatch.delitem(getattr(mergeflow.formats.megatron.names, table), template)
+    layout = find_megatron_checkpoint(megatron_fixtures[fixture].checkpoint_dir)
+    model_type = megatron_fixtures[fixture].spec.model
 
-    with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2 .*"decoder.layers.mlp.linear_fc2.weight"'):
-        index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
-
-
-def test_an_unmapped_expert_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
-    moe_table = dict(mergeflow.formats.megatron.names.QWEN_MOE)
-    del moe_table["decoder.layers.{layer}.mlp.shared_experts.gate_weight"]
-    monkeypatch.setitem(mergeflow.formats.megatron.names.TABLES_BY_MODEL_TYPE, "qwen2_moe", moe_table)
-    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2moe-ep2"].checkpoint_dir)
-
-    with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2_moe .*"decoder.layers.1.mlp.shared_experts.gate_weight"'):
-        index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
-
-
-def test_an_unmapped_vision_tower_key_is_an_error_that_names_it(megatron_fixtures, monkeypatch):
-    vision_table = dict(mergeflow.formats.megatron.names.QWEN2_5_VL_VISION)
-    del vision_table["patch_embed.proj.weight"]
-    monkeypatch.setitem(mergeflow.formats.megatron.names.VISION_TABLES, "qwen2_5_vl", vision_table)
-    layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen25vl-tp2"].checkpoint_dir)
-
-    with pytest.raises(PlanError, match=r'unmapped key\(s\) for qwen2_5_vl .*"vision_model.patch_embed.proj.weight"'):
+    with pytest.raises(PlanError, match=rf'unmapped key\(s\) for {model_type} .*"{re.escape(key)}"'):
         index_megatron(layout, load_model_spec(Path(layout.hf_dir)))
 
 
