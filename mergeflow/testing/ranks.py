@@ -3,8 +3,8 @@ environment (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set.
 
 The worker module (its imports: torch, transformers, peft, megatron-core, about 7 s of CPU) is imported once,
 here, and each rank is a process forked from this one after that, which calls the worker's `main()` as
-`python -m WORKER JOBS.json` would, with its RANK set. Exits 1 when a rank
-fails, after printing the end of each failed rank's output.
+`python -m WORKER JOBS.json` would, with its RANK set. Exits 1 when a rank fails, after printing the end of
+each failed rank's output.
 """
 
 import importlib
