@@ -139,8 +139,8 @@ def written_once(tmp_path_factory: pytest.TempPathFactory, name: str, write: Cal
 
 @pytest.fixture(scope="session", autouse=True)
 def fixture_sets_written_side_by_side(request: pytest.FixtureRequest) -> None:
-    """Under pytest-xdist, the second worker starts by writing the Megatron fixtures while the first writes the
-    FSDP ones, instead of both waiting for the FSDP ones first."""
+    """Under pytest-xdist, the second worker starts by writing the Megatron fixtures while the others write the
+    FSDP ones, instead of all waiting for the FSDP ones first."""
     needed = any("megatron_fixtures" in getattr(item, "fixturenames", ()) for item in request.session.items)
     if needed and os.environ.get("PYTEST_XDIST_WORKER") == "gw1":
         request.getfixturevalue("megatron_fixtures")

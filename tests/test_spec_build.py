@@ -46,7 +46,7 @@ def test_a_lookup_waits_for_the_child_instead_of_building_again(fixtures, empty_
     monkeypatch.setattr(model_spec, "_spec_fields", built_here)
     build.spec()
 
-    assert build.done()
+    assert build.process.wait(timeout=60) == 0, "the child built the spec"
 
 
 def test_a_spec_already_cached_starts_no_child(fixtures, empty_cache):
