@@ -101,10 +101,15 @@ WIDE_SPEC = FixtureSpec("qwen2-wide-ws2", model="qwen2-wide", world_size=2, tie=
 """Weights of several whole 128×128 FP8 blocks (attention), and MLP weights of a partial block beside whole ones."""
 
 
+def uses(item: pytest.Item, fixture: str) -> bool:
+    """Whether the test needs the fixture (directly or through another)."""
+    return fixture in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the vLLM test from the middle of the run: its venv is built by then, and, as the last test it was,
     its minute and a half on both cores left the other worker idle at the end."""
-    vllm = [item for item in items if "vllm_python" in getattr(item, "fixturenames", ())]
+    vllm = [item for item in items if uses(item, "vllm_python")]
     rest = [item for item in items if item not in vllm]
     middle = len(rest) // 2
     items[:] = [*rest[:middle], *vllm, *rest[middle:]]
@@ -112,7 +117,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start building vLLM's venv when a collected test needs it, so that it is ready by the time that runs."""
-    if any("vllm_python" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any(uses(item, "vllm_python") for item in session.items):
         session.config.stash[vllm_venv.BUILDING] = vllm_venv.start_building()
 
 
@@ -141,7 +146,7 @@ def written_once(tmp_path_factory: pytest.TempPathFactory, name: str, write: Cal
 def fixture_sets_written_side_by_side(request: pytest.FixtureRequest) -> None:
     """Under pytest-xdist, the second worker starts by writing the Megatron fixtures while the others write the
     FSDP ones, instead of all waiting for the FSDP ones first."""
-    needed = any("megatron_fixtures" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    needed = any(uses(item, "megatron_fixtures") for item in request.session.items)
     if needed and os.environ.get("PYTEST_XDIST_WORKER") == "gw1":
         request.getfixturevalue("megatron_fixtures")
 

@@ -6,8 +6,8 @@ mbridge builds its models from Transformer Engine layers, which need CUDA: here 
 layers, with the keys Transformer Engine's would save (`linear_qkv.layer_norm_weight`).
 """
 
-import contextlib
 import copy
+import functools
 import re
 from collections.abc import Callable
 
@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from mergeflow.formats.megatron.names import LANGUAGE_MODEL, VISION_MODEL
-from mergeflow.testing.megatron import LOGITS_INPUT_IDS
 
 VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
 STACKED_LAYERS = re.compile(r"^((?:language|vision)_model\.decoder\.layers\.)(?!\d)")
@@ -128,24 +127,16 @@ def _text_settings_on_top(config):
     return flat
 
 
-def vision_language_logits(model, config) -> torch.Tensor:
-    """megatron-core's logits for LOGITS_INPUT_IDS (text only: the language model, its three M-RoPE position
-    streams alike), gathered over tensor parallel ranks."""
+def language_model_on_text(model, positions: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
+    """What runs the model on text alone: its language model, with the three M-RoPE position streams alike."""
     from mbridge.models.qwen2_5_vl.attention import Qwen2_5VLSelfAttention
-    from megatron.core import tensor_parallel
 
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     attend = Qwen2_5VLSelfAttention.forward
+    if not hasattr(attend, "__wrapped__"):
 
-    def forward(self, *args, rotary_pos_cos_sin=None, **kwargs):  # passed by megatron-core newer than mbridge
-        return attend(self, *args, **kwargs)
+        @functools.wraps(attend)
+        def forward(self, *args, rotary_pos_cos_sin=None, **kwargs):  # passed by megatron-core newer than mbridge
+            return attend(self, *args, **kwargs)
 
-    Qwen2_5VLSelfAttention.forward = forward
-    input_ids = torch.tensor(LOGITS_INPUT_IDS)
-    length = input_ids.shape[1]
-    positions = torch.arange(length)[None, None].expand(3, 1, length)
-    causal_mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad():
-        local = model.eval().language_model(input_ids, positions, causal_mask)
-    gathered = tensor_parallel.gather_from_tensor_model_parallel_region(local)
-    return gathered[..., : config.text_config.vocab_size]
+        Qwen2_5VLSelfAttention.forward = forward
+    return model.language_model, positions[None].expand(3, *positions.shape)
