@@ -184,6 +184,8 @@ MEGATRON_FIXTURE_SPECS = [
     MegatronFixtureSpec("megatron-glm4moe-tp2-ep2-mtp", model="glm4_moe", tp=2, ep=2, mtp=1),
     MegatronFixtureSpec("megatron-gptoss-tp2-ep2", model="gpt_oss", tp=2, ep=2),
     MegatronFixtureSpec("megatron-qwen25vl-tp2", model="qwen2_5_vl", tp=2),  # mbridge's model, as verl trains it
+    MegatronFixtureSpec("megatron-qwen3vl-tp2", model="qwen3_vl", tp=2),  # Megatron-Bridge's layout, from its source
+    MegatronFixtureSpec("megatron-qwen3vlmoe-tp2-ep2", model="qwen3_vl_moe", tp=2, ep=2),
 ]
 MEGATRON_FIXTURE_NAMES = [spec.name for spec in MEGATRON_FIXTURE_SPECS]
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint
+from transformers import AutoConfig
 
 import mergeflow.formats.megatron.dcp
 import mergeflow.formats.megatron.names
@@ -32,7 +33,7 @@ WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1
 MOE = [
     spec.name
     for spec in MEGATRON_FIXTURE_SPECS
-    if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+    if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_vl_moe")
 ]
 
 
@@ -76,6 +77,45 @@ def test_merged_model_gives_megatron_cores_own_logits(megatron_fixtures, merged_
 @pytest.mark.parametrize("name", MOE)
 def test_experts_are_written_one_tensor_each_under_the_names_save_pretrained_uses(megatron_fixtures, merged_megatron, name):
     assert load_weights(merged_megatron(name)).keys() == load_weights(megatron_fixtures[name].reference_dir).keys()
+
+
+def test_qwen3_vl_moe_experts_are_written_input_major_as_its_checkpoints_hold_them(megatron_fixtures, merged_megatron):
+    name = "megatron-qwen3vlmoe-tp2-ep2"
+    text = AutoConfig.from_pretrained(megatron_fixtures[name].reference_dir).text_config
+    merged = load_weights(merged_megatron(name))
+    experts, hidden, ffn = text.num_experts, text.hidden_size, text.moe_intermediate_size
+
+    assert merged["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (experts, hidden, 2 * ffn)
+    assert merged["model.language_model.layers.0.mlp.experts.down_proj"].shape == (experts, ffn, hidden)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_one_key_per_module(megatron_fixtures, tmp_path_factory):
+    """The Qwen3-VL checkpoint with every stacked tensor saved one key per layer and per DeepStack merger, as
+    Megatron-Bridge saves a model whose layers differ, by torch DCP's own writer."""
+    fixture = megatron_fixtures["megatron-qwen3vl-tp2"]
+    archive = fixture.model_dir / "dist_ckpt"
+    stacked = re.compile(r"^(.*\.(?:layers|deepstack_merger_list)\.)(?!\d)(.*)$")
+    state = {}
+    for key, entry in read_metadata(archive).items():
+        value, match = read_slice(archive, entry), stacked.match(key)
+        state |= {f"{match[1]}{i}.{match[2]}": one for i, one in enumerate(value)} if match else {key: value}
+    checkpoint_dir = tmp_path_factory.mktemp("one-key-per-module") / "global_step_1" / "actor"
+    shutil.copytree(fixture.model_dir / "huggingface", checkpoint_dir / "huggingface")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it saves from one process
+        torch.distributed.checkpoint.save(state, checkpoint_id=checkpoint_dir / "dist_ckpt", no_dist=True)
+    return fixture, checkpoint_dir
+
+
+def test_layers_and_deepstack_mergers_saved_one_key_each_merge_as_stacked_ones_do(qwen3_vl_one_key_per_module, tmp_path):
+    fixture, checkpoint_dir = qwen3_vl_one_key_per_module
+    merge_with_engine(checkpoint_dir, tmp_path / "out", backend="megatron", dtype="keep")
+
+    report = validate_model_dir(tmp_path / "out", reference_dir=fixture.reference_dir)
+
+    assert report.passed, report.failure_message()
+    assert report.tensors_compared == len(load_weights(fixture.reference_dir))
 
 
 def test_tied_output_layer_is_not_written_and_untied_is(merged_megatron):
@@ -146,8 +186,14 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
             "decoder.layers.1.mlp.shared_experts.gate_weight",
         ),
         ("megatron-qwen25vl-tp2", "QWEN2_5_VL_VISION", "patch_embed.proj.weight", "vision_model.patch_embed.proj.weight"),
+        (
+            "megatron-qwen3vl-tp2",
+            "QWEN3_VL_VISION",
+            "decoder.deepstack_merger_list.{index}.patch_norm.bias",
+            "vision_model.decoder.deepstack_merger_list.patch_norm.bias",
+        ),
     ],
-    ids=["dense", "expert", "vision tower"],
+    ids=["dense", "expert", "vision tower", "deepstack merger"],
 )
 def test_a_key_the_tables_do_not_know_is_an_error_that_names_it(megatron_fixtures, monkeypatch, fixture, table, template, key):
     monkeypatch.delitem(getattr(mergeflow.formats.megatron.names, table), template)

@@ -3,7 +3,7 @@
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ SPEC_FIELDS = (
     "expected_shapes",
     "saved_shapes",
     "saved_views",
+    "also_loaded_transposed",
     "tied",
     "is_value_model",
     "derived_generation_config",
@@ -77,6 +78,9 @@ class ModelSpec:
     derived_generation_config: str | None = None
     """generation_config.json as transformers derives it from the model config, for checkpoints without one
     (None for a model that does not generate)."""
+    also_loaded_transposed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Tensors transformers also loads with two axes swapped, and that shape: a checkpoint may hold them so
+    (Qwen3-VL-MoE's published checkpoints, which vLLM reads, hold their experts input-major)."""
 
 
 def load_model_spec(
@@ -111,6 +115,7 @@ def load_model_spec(
         saved_views={
             name: SavedView(source, tuple(stride), offset) for name, (source, stride, offset) in fields["saved_views"].items()
         },
+        also_loaded_transposed={name: tuple(shape) for name, shape in fields["also_loaded_transposed"].items()},
         tied=fields["tied"],
         is_value_model=fields["is_value_model"],
         derived_generation_config=fields["derived_generation_config"],
@@ -148,6 +153,7 @@ def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: b
         "expected_shapes": expected,
         "saved_shapes": saved_shapes or expected,
         "saved_views": _saved_views(model, state, saved_shapes) if saved_shapes else {},
+        "also_loaded_transposed": _also_loaded_transposed(model, state),
         "tied": tied,
         "is_value_model": architecture.endswith(VALUE_MODEL_SUFFIX),
         "derived_generation_config": _derived_generation_config(config) if model.can_generate() else None,
@@ -245,6 +251,33 @@ def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dic
     except Exception:
         return {}
     return {name: list(tensor.shape) for name, tensor in saved.items()}
+
+
+def _also_loaded_transposed(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """The tensors that transformers' own conversion transposes on load when their shape is not the model's
+    (`Transpose(check_dims=True)`), with that other shape (empty without such a conversion)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Transpose, WeightConverter
+
+        conversions = get_model_conversion_mapping(model)
+    except Exception:
+        return {}
+    transposes = [
+        (pattern, conversion.operations[0])
+        for conversion in conversions
+        if isinstance(conversion, WeightConverter) and len(conversion.operations) == 1
+        if isinstance(conversion.operations[0], Transpose) and conversion.operations[0].check_dims
+        for pattern in conversion.target_patterns
+    ]
+    also = {}
+    for name, tensor in state.items():
+        for pattern, transpose in transposes:
+            if re.search(pattern, name):
+                shape = list(tensor.shape)
+                shape[transpose.dim0], shape[transpose.dim1] = shape[transpose.dim1], shape[transpose.dim0]
+                also[name] = shape
+    return also
 
 
 def _saved_views(

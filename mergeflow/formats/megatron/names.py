@@ -6,6 +6,7 @@ group, gate|up)."""
 import itertools
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -14,6 +15,8 @@ from mergeflow.formats.megatron.dcp import StoredTensor
 
 LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
 """A decoder-layer key: stacked (no index, layers on the first axis) or one layer's (`decoder.layers.3.`)."""
+DEEPSTACK_MERGERS = re.compile(r"^decoder\.deepstack_merger_list\.(?:(\d+)\.)?")
+"""A Qwen3-VL vision tower's DeepStack merger key: stacked (no index) or one merger's, as decoder layers are."""
 MTP_LAYERS = re.compile(r"^mtp\.layers\.(\d+)\.")
 """A multi-token-prediction layer's key (`mtp.layers.0.`): it follows the decoder's layers."""
 MTP_DECODER_LAYER = "transformer_layer."
@@ -28,7 +31,7 @@ GLU_HALF = re.compile(r"^(.+)_([wv])$")
 COPY, VOCAB, Q, K, V, GATE, UP = "copy", "vocab", "q", "k", "v", "gate", "up"
 QKV = "qkv"
 """A fused QKV kept fused: megatron-core's rows, [q, k, v] per query group, regrouped as [all q; all k; all v]
-(the vision blocks of Qwen2.5-VL)."""
+(the vision blocks of Qwen2.5-VL and Qwen3-VL)."""
 GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T, TRANSPOSED = "gate_up_interleaved", "gate_up_interleaved_t", "transposed"
 """gpt-oss's expert layout: gate and up rows interleaved (and, for weights, stored input-major: transposed)."""
 HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
@@ -201,10 +204,74 @@ QWEN2_5_VL_VISION: dict[str, list[tuple[str, str]]] = {
 }
 """Qwen2.5-VL's vision tower, `vision_model.` in verl's (mbridge's) model: biases on every linear layer, RMSNorms,
 QKV fused as the HF model keeps it, and the patch merger (`ln_q`, then megatron-core's two-layer projector)."""
+QWEN3_VL_VISION: dict[str, list[tuple[str, str]]] = {
+    "patch_embed.proj.weight": [("model.visual.patch_embed.proj.weight", COPY)],
+    "patch_embed.proj.bias": [("model.visual.patch_embed.proj.bias", COPY)],
+    "pos_embed.weight": [("model.visual.pos_embed.weight", COPY)],
+    **{
+        f"decoder.layers.{{layer}}.{norm}{kind}": [(f"model.visual.blocks.{{layer}}.{hf_norm}.{kind}", COPY)]
+        for norm, hf_norm in (
+            ("self_attention.linear_qkv.layer_norm_", "norm1"),
+            ("input_layernorm.", "norm1"),
+            ("mlp.linear_fc1.layer_norm_", "norm2"),
+            ("pre_mlp_layernorm.", "norm2"),
+        )
+        for kind in ("weight", "bias")
+    },
+    "decoder.layers.{layer}.self_attention.linear_qkv.weight": [("model.visual.blocks.{layer}.attn.qkv.weight", QKV)],
+    "decoder.layers.{layer}.self_attention.linear_qkv.bias": [("model.visual.blocks.{layer}.attn.qkv.bias", QKV)],
+    "decoder.layers.{layer}.self_attention.linear_proj.weight": [("model.visual.blocks.{layer}.attn.proj.weight", COPY)],
+    "decoder.layers.{layer}.self_attention.linear_proj.bias": [("model.visual.blocks.{layer}.attn.proj.bias", COPY)],
+    **{
+        f"{megatron}.{linear}.{kind}": [(f"{hf}.{linear}.{kind}", COPY)]
+        for megatron, hf in (
+            ("decoder.layers.{layer}.mlp", "model.visual.blocks.{layer}.mlp"),
+            ("decoder.deepstack_merger_list.{index}", "model.visual.deepstack_merger_list.{index}"),
+            ("merger", "model.visual.merger"),
+        )
+        for linear in ("linear_fc1", "linear_fc2")
+        for kind in ("weight", "bias")
+    },
+    **{
+        f"{megatron}.patch_norm.{kind}": [(f"{hf}.norm.{kind}", COPY)]
+        for megatron, hf in (
+            ("decoder.deepstack_merger_list.{index}", "model.visual.deepstack_merger_list.{index}"),
+            ("merger", "model.visual.merger"),
+        )
+        for kind in ("weight", "bias")
+    },
+}
+"""Qwen3-VL's vision tower, `vision_model.` in Megatron-Bridge's model: LayerNorms with biases (Transformer Engine's
+fused names or the plain ones), an ungated MLP, a learned position embedding, and the patch merger and DeepStack
+mergers, each a norm and two linear layers."""
+QWEN3_VL_MOE_EXPERTS: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.mlp.router.weight": [("model.layers.{layer}.mlp.gate.weight", COPY)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc1.weight": [("model.layers.{layer}.mlp.experts.gate_up_proj", TRANSPOSED)],
+    "decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.weight": [("model.layers.{layer}.mlp.experts.down_proj", TRANSPOSED)],
+}
+"""Qwen3-VL-MoE's experts as its checkpoints hold them (and vLLM reads them), one tensor per layer for all of them,
+input-major: `gate_up_proj` (experts, hidden, 2·ffn), gate then up, and `down_proj` (experts, ffn, hidden)."""
 LANGUAGE_MODEL, VISION_MODEL = "language_model.", "vision_model."
 """What the keys of each tower of a vision-language model start with."""
-VISION_TABLES = {"qwen2_5_vl": QWEN2_5_VL_VISION}
-"""The vision tower of each vision-language model type (its language model is a dense decoder's)."""
+
+
+def language_model_under(prefix: str, table: dict[str, list[tuple[str, str]]]) -> dict[str, list[tuple[str, str]]]:
+    """The table with its `model.` names moved under `prefix` (Qwen3-VL's `model.language_model.`)."""
+    return {
+        template: [(name.replace("model.", prefix, 1) if name.startswith("model.") else name, part) for name, part in names]
+        for template, names in table.items()
+    }
+
+
+VISION_LANGUAGE_TABLES = {
+    "qwen2_5_vl": (HF_FROM_MEGATRON, QWEN2_5_VL_VISION),
+    "qwen3_vl": (language_model_under("model.language_model.", HF_FROM_MEGATRON), QWEN3_VL_VISION),
+    "qwen3_vl_moe": (
+        language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **QWEN3_VL_MOE_EXPERTS}),
+        QWEN3_VL_VISION,
+    ),
+}
+"""The (language model, vision tower) tables of each vision-language model type."""
 
 TABLES_BY_MODEL_TYPE = {
     "qwen2_moe": QWEN_MOE,
@@ -216,7 +283,7 @@ TABLES_BY_MODEL_TYPE = {
 }
 """What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys() | VISION_TABLES.keys()
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys() | VISION_LANGUAGE_TABLES.keys()
 VALUE_HEAD = ("score.weight", COPY)
 """A value model's `output_layer` (one output) is its `score` head."""
 
@@ -231,6 +298,24 @@ class Geometry:
     head_dim: int
     vocab_size: int
     num_experts: int
+    num_deepstack_mergers: int = 0
+
+
+class Stack(NamedTuple):
+    """A list of modules megatron-core saves stacked on a leading axis, or one key per module."""
+
+    pattern: re.Pattern
+    prefix: str
+    axis: str
+    """The field that names a module of the list in the table's templates."""
+    count: str
+    """The Geometry field that says how many modules the list holds."""
+
+
+STACKS = (
+    Stack(LAYERS, "decoder.layers.", "layer", "num_layers"),
+    Stack(DEEPSTACK_MERGERS, "decoder.deepstack_merger_list.", "index", "num_deepstack_mergers"),
+)
 
 
 @dataclass(frozen=True)
@@ -245,8 +330,9 @@ class Component:
 
 def components_of(config) -> list[Component]:
     """The models an archive of `config`'s model type holds, each with its key prefix, table and geometry."""
-    if config.model_type not in VISION_TABLES:
+    if config.model_type not in VISION_LANGUAGE_TABLES:
         return [Component("", mapping_table(config.model_type), geometry_of(config))]
+    language_table, vision_table = VISION_LANGUAGE_TABLES[config.model_type]
     vision = config.vision_config
     vision_geometry = Geometry(
         num_layers=vision.depth,
@@ -255,10 +341,11 @@ def components_of(config) -> list[Component]:
         head_dim=vision.hidden_size // vision.num_heads,
         vocab_size=0,
         num_experts=0,
+        num_deepstack_mergers=len(getattr(vision, "deepstack_visual_indexes", None) or ()),
     )
     return [
-        Component(LANGUAGE_MODEL, HF_FROM_MEGATRON, geometry_of(config.get_text_config())),
-        Component(VISION_MODEL, VISION_TABLES[config.model_type], vision_geometry),
+        Component(LANGUAGE_MODEL, language_table, geometry_of(config.get_text_config())),
+        Component(VISION_MODEL, vision_table, vision_geometry),
     ]
 
 
@@ -303,16 +390,17 @@ def locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list
         if rest.startswith(MTP_DECODER_LAYER):
             return locate(f"decoder.layers.{layer}.{rest.removeprefix(MTP_DECODER_LAYER)}", entry, geometry)
         return f"mtp.layers.{{layer}}.{rest}", [((), {"layer": layer})]
-    layers = LAYERS.match(key)
-    if layers is None:
+    stack = next(((stack, match) for stack in STACKS if (match := stack.pattern.match(key))), None)
+    if stack is None:
         return key, [((), {})]
-    rest = key[layers.end() :]
+    (_, prefix, axis, count), match = stack
+    rest = key[match.end() :]
     fields: dict[str, int] = {}
     stacked: list[tuple[str, int]] = []
-    if layers[1] is not None:
-        fields["layer"] = int(layers[1])
+    if match[1] is not None:
+        fields[axis] = int(match[1])
     else:
-        stacked.append(("layer", geometry.num_layers))
+        stacked.append((axis, getattr(geometry, count)))
     experts = EXPERTS.search(rest)
     if experts:
         rest = f"{rest[: experts.start()]}.experts.{{expert}}.{rest[experts.end() :]}"
@@ -328,7 +416,7 @@ def locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list
         (leading, {**fields, **{axis: index for (axis, _), index in zip(stacked, leading, strict=True)}})
         for leading in itertools.product(*(range(size) for size in expected))
     ]
-    return f"decoder.layers.{{layer}}.{rest}", placements
+    return f"{prefix}{{{axis}}}.{rest}", placements
 
 
 def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) -> tuple[int, ...]:
