@@ -8,7 +8,7 @@ from pathlib import Path
 from mergeflow.errors import CheckpointError
 from mergeflow.formats import find_checkpoint
 from mergeflow.formats.base import TensorIndex
-from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, read_train_meta
+from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, recorded_alpha
 from mergeflow.planning import mtp_layer_names
 from mergeflow.spec.config_files import CONFIG_FILE
 from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_model_spec
@@ -57,10 +57,10 @@ def describe_checkpoint(
 
 def _lora_description(index: TensorIndex, lora_names: list[str]) -> dict:
     ranks = Counter(index.tensors[name].shape[0] for name in lora_names if ".lora_A." in name or ".lora_embedding_A." in name)
-    meta = read_train_meta(Path(index.checkpoint_dir)) or {}
+    alpha = recorded_alpha(Path(index.checkpoint_dir))
     return {
         "lora_ranks": {str(rank): count for rank, count in sorted(ranks.items())},
-        "lora_alpha": meta.get("lora_alpha") or None,
+        "lora_alpha": alpha[0] if alpha else None,
         "lora_only": len(lora_names) == len(index.tensors),
     }
 

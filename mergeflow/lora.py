@@ -33,6 +33,9 @@ LORA_META_FILE = "lora_train_meta.json"
 ADAPTER_SUBDIR = "lora_adapter"
 """Where an adapter lives: in the checkpoint (older verl saved its config there) and in the output."""
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+SOURCE_ADAPTER_DIRS = (ADAPTER_SUBDIR, "model/huggingface/adapter")
+"""Where a checkpoint may hold its adapter's config: `lora_adapter/` (verl's FSDP checkpoints, in older
+releases), and the PEFT folder verl exports for a Megatron run with Megatron-Bridge."""
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
@@ -142,13 +145,13 @@ def plan_lora(
     if merge and lora_only:
         raise OptionError(
             f"--merge-lora needs base weights, but {checkpoint_dir} is a LoRA-only checkpoint "
-            "(verl's save_lora_only): merge without --merge-lora to get the adapter"
+            "(verl's save_lora_only, or a Megatron run's adapters): merge without --merge-lora to get the adapter"
         )
     notes = []
     if lora_only:
         notes.append(
-            f"LoRA-only checkpoint (verl's save_lora_only): wrote the adapter without a base model; "
-            f"load it with PeftModel.from_pretrained on the base model named in {spec.config_dir}/config.json"
+            "LoRA-only checkpoint (verl's save_lora_only, or a Megatron run's adapters): wrote the adapter without "
+            f"a base model; load it with PeftModel.from_pretrained on the base model named in {spec.config_dir}/config.json"
         )
     return LoraPlan(
         config=peft_model.peft_config[adapter_name],
@@ -211,9 +214,14 @@ def read_train_meta(checkpoint_dir: Path) -> dict | None:
     return meta
 
 
+def _source_config_path(checkpoint_dir: Path) -> Path | None:
+    paths = [Path(checkpoint_dir) / folder / ADAPTER_CONFIG_FILE for folder in SOURCE_ADAPTER_DIRS]
+    return next((path for path in paths if path.is_file()), None)
+
+
 def _read_source_config(checkpoint_dir: Path) -> "LoraConfig | None":
-    path = Path(checkpoint_dir) / ADAPTER_SUBDIR / ADAPTER_CONFIG_FILE
-    if not path.is_file():
+    path = _source_config_path(checkpoint_dir)
+    if path is None:
         return None
     from peft import LoraConfig
 
@@ -223,33 +231,38 @@ def _read_source_config(checkpoint_dir: Path) -> "LoraConfig | None":
         raise CheckpointError(f"cannot read {path} as a PEFT LoRA config: {e}") from e
 
 
-def resolve_alpha(checkpoint_dir: Path, flag_alpha: float | None) -> tuple[float, str]:
+def recorded_alpha(checkpoint_dir: Path) -> tuple[float | int, str] | None:
+    """lora_alpha as the checkpoint records it, and where: verl's lora_train_meta.json, else an adapter config
+    (None when neither records one)."""
+    meta = read_train_meta(checkpoint_dir) or {}
+    if meta.get("lora_alpha"):
+        return _plain_number(float(meta["lora_alpha"])), str(Path(checkpoint_dir) / LORA_META_FILE)
+    source_config = _read_source_config(checkpoint_dir)
+    if source_config is not None and source_config.lora_alpha:
+        return _plain_number(float(source_config.lora_alpha)), str(_source_config_path(checkpoint_dir))
+    return None
+
+
+def resolve_alpha(checkpoint_dir: Path, flag_alpha: float | None) -> tuple[float | int, str]:
     """lora_alpha from lora_train_meta.json, else the checkpoint's adapter config, else the flag.
 
     A 0 in the metadata is what verl records when it lost the value, so it counts as missing.
     """
-    meta = read_train_meta(checkpoint_dir) or {}
-    source_config = _read_source_config(checkpoint_dir)
-    recorded = [
-        (float(meta["lora_alpha"]), str(Path(checkpoint_dir) / LORA_META_FILE)) if meta.get("lora_alpha") else None,
-        (float(source_config.lora_alpha), str(Path(checkpoint_dir) / ADAPTER_SUBDIR / ADAPTER_CONFIG_FILE))
-        if source_config is not None and source_config.lora_alpha
-        else None,
-    ]
-    found = next((entry for entry in recorded if entry is not None), None)
+    found = recorded_alpha(checkpoint_dir)
     if found is not None:
         alpha, source = found
         if flag_alpha is not None and float(flag_alpha) != alpha:
             raise OptionError(f"--lora-alpha {flag_alpha:g} contradicts lora_alpha={alpha:g} in {source}")
-        return _plain_number(alpha), source
+        return alpha, source
     if flag_alpha is not None:
         if flag_alpha <= 0:
             raise OptionError(f"--lora-alpha must be positive, got {flag_alpha}")
         return _plain_number(float(flag_alpha)), "--lora-alpha"
+    adapter_configs = " or ".join(f"{folder}/{ADAPTER_CONFIG_FILE}" for folder in SOURCE_ADAPTER_DIRS)
     raise CheckpointError(
         f"LoRA checkpoint {checkpoint_dir} records no lora_alpha (no {LORA_META_FILE} with a non-zero "
-        f"lora_alpha, no {ADAPTER_SUBDIR}/{ADAPTER_CONFIG_FILE}): pass --lora-alpha with the value used in "
-        "training (verl's actor_rollout_ref.model.lora_alpha); an alpha of 0 would silently disable the adapter"
+        f"lora_alpha, no {adapter_configs}): pass --lora-alpha with the value used in training (verl's "
+        "actor_rollout_ref.model.lora_alpha); an alpha of 0 would silently disable the adapter"
     )
 
 

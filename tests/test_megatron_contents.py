@@ -104,13 +104,6 @@ def test_a_manifest_without_model_weights_is_an_error(v2_checkpoint):
         find_megatron_checkpoint(v2_checkpoint)
 
 
-def test_peft_adapters_saved_by_megatron_are_refused_not_merged_as_a_model(v2_checkpoint):
-    edit_manifest(v2_checkpoint, lambda manifest: manifest["backend"].update(peft=True))
-
-    with pytest.raises(CheckpointError, match=r"PEFT .* adapters with the Megatron backend"):
-        find_megatron_checkpoint(v2_checkpoint)
-
-
 def test_a_v2_checkpoint_is_complete_once_its_manifest_is_written(v2_checkpoint):
     run_dir = v2_checkpoint.parent.parent
     manifest = (v2_checkpoint / CONTENTS_FILE).read_bytes()
@@ -130,15 +123,3 @@ def test_the_2025_layout_needs_no_manifest(megatron_fixtures):
 
 def test_the_manifest_counts_as_a_training_file():
     assert is_training_file(CONTENTS_FILE, is_dir=False)
-
-
-def test_the_peft_refusal_points_to_the_adapter_verl_exported(v2_checkpoint):
-    exported = v2_checkpoint / "model" / "huggingface" / "adapter"
-    exported.mkdir()
-    (exported / "adapter_config.json").write_text("{}")
-    edit_manifest(v2_checkpoint, lambda manifest: manifest["backend"].update(peft=True))
-
-    with pytest.raises(CheckpointError) as refused:
-        find_megatron_checkpoint(v2_checkpoint)
-
-    assert refused.value.hint == f"verl exported the adapter as a PEFT folder: load {exported} with PeftModel.from_pretrained"

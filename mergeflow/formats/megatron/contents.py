@@ -23,8 +23,8 @@ class CheckpointContents:
     model_format: str
     """`megatron_dist_checkpoint` (a torch_dist archive) or `huggingface` (weights saved through a bridge)."""
     config_dir: Path | None
-    peft: bool
-    """The run trained PEFT adapters: the saved weights are the adapters, not the model."""
+    adapters_path: Path | None = None
+    """The torch_dist archive of a PEFT (LoRA) run's adapters alone, which verl saves beside their HF export."""
 
 
 def is_v2_layout(checkpoint_dir: Path) -> bool:
@@ -57,12 +57,14 @@ def read_contents(checkpoint_dir: Path) -> CheckpointContents | None:
         saved = manifest.get("save_contents")
         raise CheckpointError(f"{path}: the checkpoint holds no model weights (save_contents: {saved})")
     config = contents.get("hf_config")
+    adapters = contents.get("peft_adapters")
     return CheckpointContents(
         model_path=_inside(checkpoint_dir, model.get("path"), path),
         model_format=model["format"],
         config_dir=_inside(checkpoint_dir, config.get("path"), path) if isinstance(config, dict) else None,
-        peft=(isinstance(backend := manifest.get("backend"), dict) and bool(backend.get("peft")))
-        or "peft_adapters" in contents,
+        adapters_path=_inside(checkpoint_dir, adapters.get("path"), path)
+        if isinstance(adapters, dict) and adapters.get("format") == DIST_CKPT_FORMAT
+        else None,
     )
 
 

@@ -25,12 +25,14 @@ from mergeflow.formats.megatron.names import (
     TRAINING_STATE,
     VALUE_HEAD,
     Geometry,
+    adapter_targets,
     components_of,
     locate,
     part_shape,
     split_part,
     targets,
 )
+from mergeflow.lora import PEFT_PREFIX, lora_tensor_names
 from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_config
 
 
@@ -108,7 +110,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
             unmapped.append(key)
             continue
         template, placements = locate(key.removeprefix(component.prefix), entry, component.geometry)
-        hf_names = targets(template, component.table)
+        hf_names = targets(template, component.table) or adapter_targets(template, component.table)
         if template == "output_layer.weight" and spec.is_value_model:
             hf_names = [VALUE_HEAD]
         if hf_names is None:
@@ -125,6 +127,8 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
                     tensors[name] = tensor
     tensors |= {name: _all_experts(parts, geometry) for name, parts in expert_parts.items()}
     tensors |= _mtp_shared_tensors(tensors, geometry)
+    if lora_tensor_names(tensors):
+        tensors = _as_peft_model(tensors)
     if unmapped:
         raise PlanError(
             f"unmapped key(s) for {config.model_type} in {layout.dist_ckpt_dir}: {quoted(unmapped)}. "
@@ -175,6 +179,19 @@ def _mtp_shared_tensors(tensors: dict[str, MegatronTensor], geometry: Geometry) 
             name = f"model.layers.{layer}.{name_in_layer}"
             copies[name] = dataclasses.replace(source, name=name)
     return copies
+
+
+def _as_peft_model(tensors: dict[str, MegatronTensor]) -> dict[str, MegatronTensor]:
+    """The tensors of a checkpoint with LoRA adapters under the names of the PEFT model that holds them (as an
+    FSDP checkpoint of a LoRA run names them): `base_model.model.` first, and `.base_layer.` inside each adapted
+    module, so that the LoRA planning reads both backends alike."""
+    adapted = {name.partition(".lora_")[0] for name in lora_tensor_names(tensors)}
+
+    def peft_name(name: str) -> str:
+        module, _, parameter = name.rpartition(".")
+        return PEFT_PREFIX + (f"{module}.base_layer.{parameter}" if module in adapted else name)
+
+    return {peft_name(name): dataclasses.replace(tensor, name=peft_name(name)) for name, tensor in tensors.items()}
 
 
 def _tensor_parallel(stored: dict[str, StoredTensor]) -> int | None:

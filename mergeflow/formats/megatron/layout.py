@@ -21,8 +21,6 @@ DIST_CKPT_SUBDIR = "dist_ckpt"
 HF_WEIGHT_FILES = "*.safetensors"
 MODEL_SUBDIR = "model"
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-PEFT_EXPORT_SUBDIR = "adapter"
-"""Where verl (with Megatron-Bridge) exports a PEFT run's adapter, under `model/huggingface/`."""
 TRANSFORMER_CONFIG_FILE = "transformer_config.json"
 """megatron-core's TransformerConfig, as verl saves it with the `extra` contents."""
 PARALLEL_SIZES = (
@@ -104,7 +102,7 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
 
     Raises:
         CheckpointError: no layout is there (naming the directory to pass when it is a parent), the manifest
-            is unreadable or names weights that are not there, or the run saved PEFT adapters.
+            is unreadable or names weights that are not there.
     """
     local_dir = Path(local_dir)
     if not local_dir.is_dir():
@@ -131,16 +129,9 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
 
 
 def _from_contents(local_dir: Path, contents: CheckpointContents) -> MegatronLayout:
-    if contents.peft:
-        exported = local_dir / MODEL_SUBDIR / HF_SUBDIR / PEFT_EXPORT_SUBDIR
-        raise CheckpointError(
-            f"{local_dir / CONTENTS_FILE}: the run trained PEFT (LoRA) adapters with the Megatron backend, and "
-            "mergeflow does not merge Megatron adapters yet",
-            hint=f"verl exported the adapter as a PEFT folder: load {exported} with PeftModel.from_pretrained"
-            if (exported / "adapter_config.json").is_file()
-            else None,
-        )
     config_dir = contents.config_dir or local_dir / MODEL_SUBDIR / HF_SUBDIR
+    if contents.model_format == HF_FORMAT and contents.adapters_path is not None:
+        return MegatronLayout(str(local_dir), str(_archive(contents.adapters_path)), str(config_dir))
     if contents.model_format == HF_FORMAT:
         if not any(contents.model_path.glob(HF_WEIGHT_FILES)):
             raise CheckpointError(

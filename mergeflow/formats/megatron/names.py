@@ -25,6 +25,10 @@ EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
 """Routed experts: on an axis of their own (no index) or one key per expert (`.experts.experts.7.`)."""
 TRAINING_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
 """Optimizer state (Adam moments, fp32 master weights) that verl's 2025 layout saved in the same archive."""
+ADAPTER = re.compile(r"^(?P<base>.+)\.adapter\.linear_(?P<side>in|out)\.weight$")
+"""A LoRA adapter's tensor, as Megatron-Bridge's `LoRALinear` saves it beside the layer it adapts: `linear_in` is
+PEFT's lora_A, `linear_out` its lora_B."""
+LORA_ADAPTER_NAME = "default"
 GLU_HALF = re.compile(r"^(.+)_([wv])$")
 """fc1 stored as its gate (`_w`) and up (`_v`) halves, as megatron-core writes singleton shards."""
 
@@ -375,6 +379,22 @@ def targets(template: str, table: dict[str, list[tuple[str, str]]]) -> list[tupl
         return None
     gate, up = fused
     return [(gate[0] if half[2] == "w" else up[0], COPY)]
+
+
+def adapter_targets(template: str, table: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]] | None:
+    """The PEFT LoRA tensors of an adapter's key template, one per HF module its layer's weight holds: lora_A
+    (`linear_in`, the same for every module of a fused layer: q, k and v; gate and up) and lora_B (`linear_out`,
+    cut as the layer's weight is). None for a key that is not an adapter's, or whose layer is not a plain or
+    fused linear one."""
+    adapter = ADAPTER.match(template)
+    layer = targets(f"{adapter['base']}.weight", table) if adapter else None
+    if layer is None or any(part not in (COPY, Q, K, V, GATE, UP) for _, part in layer):
+        return None
+    side = "lora_A" if adapter["side"] == "in" else "lora_B"
+    return [
+        (f"{name.removesuffix('.weight')}.{side}.{LORA_ADAPTER_NAME}.weight", COPY if side == "lora_A" else part)
+        for name, part in layer
+    ]
 
 
 def locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list[tuple[tuple[int, ...], dict[str, int]]]]:
