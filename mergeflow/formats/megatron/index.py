@@ -29,11 +29,15 @@ from mergeflow.formats.megatron.names import (
     components_of,
     locate,
     part_shape,
+    split_joined,
     split_part,
     targets,
 )
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names
 from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_config
+
+Slice = tuple[str, tuple[int, ...]]
+"""A stored key, and the indices into its stacked axes (layer, expert) that select one layer's (or expert's) tensor."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +48,18 @@ class MegatronTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    key: str
-    leading: tuple[int, ...]
-    """Indices into the stored tensor's stacked axes (layer, expert) that select this tensor's source."""
+    slices: tuple[Slice, ...]
+    """What the tensor is cut from: one stored slice, or several joined along their rows (a fused tensor
+    megatron-core saves in parts: the gated delta net's q, k and v; an expert's gate and up halves)."""
     part: str
     geometry: Geometry
     """Of the model the stored tensor belongs to (a vision-language model's towers differ)."""
-    experts: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    """For a tensor of all experts: each expert's (key, leading), in expert order; row i is expert i's part."""
+    experts: tuple[tuple[Slice, ...], ...] = ()
+    """For a tensor of all experts: each expert's slices, in expert order; row i is expert i's part."""
+
+    @property
+    def key(self) -> str:
+        return self.slices[0][0]
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,16 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     }
     tensors: dict[str, MegatronTensor] = {}
     expert_parts: dict[str, dict[int, MegatronTensor]] = {}
+    pieces: dict[tuple[str, int | None], dict[int, tuple[MegatronTensor, tuple[int, ...]]]] = {}
     unmapped = []
+
+    def place(tensor: MegatronTensor, expert: int | None) -> None:
+        """Keep the tensor, or, for a name that holds all of a layer's experts, this expert's part of it."""
+        if expert is None:
+            tensors[tensor.name] = tensor
+        else:
+            expert_parts.setdefault(tensor.name, {})[expert] = tensor
+
     for key, entry in stored.items():
         component = next((component for component in components if key.startswith(component.prefix)), None)
         if component is None:
@@ -117,14 +134,18 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
             unmapped.append(key)
             continue
         for leading, fields in placements:
-            for name_template, part in hf_names:
+            for name_template, joined_part in hf_names:
                 name = name_template.format(**fields)
-                shape = part_shape(part, entry.shape[len(leading) :], component.geometry, key)
-                tensor = MegatronTensor(name, dtype_name(entry.dtype), shape, key, leading, part, component.geometry)
-                if "expert" in fields and "{expert}" not in name_template:
-                    expert_parts.setdefault(name, {})[fields["expert"]] = tensor
-                else:
-                    tensors[name] = tensor
+                expert = fields["expert"] if "expert" in fields and "{expert}" not in name_template else None
+                part, position = split_joined(joined_part)
+                stored_shape = entry.shape[len(leading) :]
+                tensor = MegatronTensor(name, dtype_name(entry.dtype), stored_shape, ((key, leading),), part, component.geometry)
+                if position is not None:
+                    pieces.setdefault((name, expert), {})[position] = (tensor, stored_shape)
+                    continue
+                place(dataclasses.replace(tensor, shape=part_shape(part, stored_shape, component.geometry, key)), expert)
+    for (_, expert), parts in pieces.items():
+        place(_joined([parts[position] for position in sorted(parts)]), expert)
     tensors |= {name: _all_experts(parts, geometry) for name, parts in expert_parts.items()}
     tensors |= _mtp_shared_tensors(tensors, geometry)
     if lora_tensor_names(tensors):
@@ -148,6 +169,17 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     )
 
 
+def _joined(parts: list[tuple[MegatronTensor, tuple[int, ...]]]) -> MegatronTensor:
+    """One tensor of stored slices joined along their rows, then cut as its part says."""
+    first, first_shape = parts[0]
+    shape = (sum(stored_shape[0] for _, stored_shape in parts), *first_shape[1:])
+    return dataclasses.replace(
+        first,
+        shape=part_shape(first.part, shape, first.geometry, first.key),
+        slices=tuple(one for tensor, _ in parts for one in tensor.slices),
+    )
+
+
 def _all_experts(parts: dict[int, MegatronTensor], geometry: Geometry) -> MegatronTensor:
     """One tensor of every expert's part, stacked in expert order.
 
@@ -160,7 +192,7 @@ def _all_experts(parts: dict[int, MegatronTensor], geometry: Geometry) -> Megatr
     return dataclasses.replace(
         first,
         shape=(geometry.num_experts, *first.shape),
-        experts=tuple((parts[expert].key, parts[expert].leading) for expert in sorted(parts)),
+        experts=tuple(parts[expert].slices for expert in sorted(parts)),
     )
 
 
@@ -218,20 +250,24 @@ class MegatronSource:
     def rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         tensor = self._index.tensors[name]
         if tensor.experts:
-            return torch.stack([self._part(tensor, *tensor.experts[expert], dtype) for expert in range(start, stop)])
-        value = _cached(
-            self._parts, (name, dtype), self.CACHED_PARTS, lambda: self._part(tensor, tensor.key, tensor.leading, dtype)
-        )
+            return torch.stack([self._part(tensor, tensor.experts[expert], dtype) for expert in range(start, stop)])
+        value = _cached(self._parts, (name, dtype), self.CACHED_PARTS, lambda: self._part(tensor, tensor.slices, dtype))
         return value if not value.dim() else value[start:stop]
 
-    def _part(self, tensor: MegatronTensor, key: str, leading: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        stored = _cached(
-            self._slices,
-            (key, leading),
-            self.CACHED_SLICES,
-            lambda: read_slice(Path(self._index.dist_ckpt_dir), self._index.stored[key], leading),
-        )
-        return split_part(stored, tensor.part, tensor.geometry).to(dtype)
+    def _part(self, tensor: MegatronTensor, slices: tuple[Slice, ...], dtype: torch.dtype) -> torch.Tensor:
+        stored = [
+            _cached(
+                self._slices,
+                (key, leading),
+                self.CACHED_SLICES,
+                lambda key=key, leading=leading: read_slice(
+                    Path(self._index.dist_ckpt_dir), self._index.stored[key], leading
+                ),
+            )
+            for key, leading in slices
+        ]
+        joined = stored[0] if len(stored) == 1 else torch.cat(stored)
+        return split_part(joined, tensor.part, tensor.geometry).to(dtype)
 
     def verify(self) -> None:
         """Nothing left to check: each chunk is checked against its CRC-32 as it is loaded (`dcp.load_chunk`)."""

@@ -38,6 +38,8 @@ QKV = "qkv"
 (the vision blocks of Qwen2.5-VL and Qwen3-VL)."""
 GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T, TRANSPOSED = "gate_up_interleaved", "gate_up_interleaved_t", "transposed"
 """gpt-oss's expert layout: gate and up rows interleaved (and, for weights, stored input-major: transposed)."""
+JOINED = "@"
+"""Separates a part from the position of the piece a key holds (`joined`)."""
 HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
     "embedding.word_embeddings.weight": [("model.embed_tokens.weight", VOCAB)],
     "decoder.final_layernorm.weight": [("model.norm.weight", COPY)],
@@ -369,16 +371,31 @@ def geometry_of(config) -> Geometry:
     )
 
 
+def joined(part: str, position: int) -> str:
+    """The part of a tensor that megatron-core saves in pieces (several keys): this key holds piece `position`,
+    and the pieces, joined along their rows in order, are cut as `part` says."""
+    return f"{part}{JOINED}{position}"
+
+
+def split_joined(part: str) -> tuple[str, int | None]:
+    """(part, position of the piece), or (part, None) for a tensor saved whole."""
+    part, _, position = part.partition(JOINED)
+    return part, int(position) if position else None
+
+
 def targets(template: str, table: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]] | None:
-    """The HF tensors of a key template; a `_w`/`_v` half of a fused gate|up is its gate or up tensor."""
+    """The HF tensors of a key template. A `_w`/`_v` half of a fused gate|up is its gate or up tensor, or, where
+    the HF tensor holds both (gpt-oss's interleaved experts), the first or second piece of it."""
     if template in table:
         return table[template]
     half = GLU_HALF.match(template)
     fused = table.get(half[1]) if half else None
-    if fused is None or [part for _, part in fused] != [GATE, UP]:
+    if fused is None:
         return None
-    gate, up = fused
-    return [(gate[0] if half[2] == "w" else up[0], COPY)]
+    if [part for _, part in fused] == [GATE, UP]:
+        gate, up = fused
+        return [(gate[0] if half[2] == "w" else up[0], COPY)]
+    return [(name, joined(part, 0 if half[2] == "w" else 1)) for name, part in fused if part not in (Q, K, V, GATE, UP)] or None
 
 
 def adapter_targets(template: str, table: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]] | None:
