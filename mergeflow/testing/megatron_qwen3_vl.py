@@ -58,6 +58,11 @@ STACKED = re.compile(r"^(vision_model\.decoder\.(?:layers|deepstack_merger_list)
 INDEX = re.compile(r"\.(\d+)\.")
 
 
+def deepstack_indexes(vision) -> list[int]:
+    """The vision blocks a DeepStack merger follows (none in Qwen3.5's tower)."""
+    return getattr(vision, "deepstack_visual_indexes", None) or []
+
+
 class Qwen3VLStandIn(MegatronModule):
     """Megatron-Bridge's `Qwen3VLModel` as a checkpoint sees it: its language model and vision tower."""
 
@@ -80,7 +85,7 @@ class VisionTower(MegatronModule):
         layer.submodules.sharded_state_dict_keys_map = TE_NORM_KEYS
         self.decoder = TransformerBlock(config, layer, post_layer_norm=False)
         self.decoder.deepstack_merger_list = StackedMergers(
-            PatchMerger(config, vision, norm_after_merging=True) for _ in vision.deepstack_visual_indexes
+            PatchMerger(config, vision, norm_after_merging=True) for _ in deepstack_indexes(vision)
         )
         self.merger = PatchMerger(config, vision, norm_after_merging=False)
 
@@ -170,7 +175,7 @@ def qwen3_vl_values(
     Megatron-Bridge converts the HF weights (QKV from HF's [all q; all k; all v] to [q, k, v] per head)."""
     vision = config.vision_config
     head_dim = vision.hidden_size // vision.num_heads
-    counts = {"layers": vision.depth, "deepstack_merger_list": len(vision.deepstack_visual_indexes)}
+    counts = {"layers": vision.depth, "deepstack_merger_list": len(deepstack_indexes(vision))}
 
     def one(key: str) -> torch.Tensor:
         index = INDEX.search(key)

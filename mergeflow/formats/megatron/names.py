@@ -38,8 +38,25 @@ QKV = "qkv"
 (the vision blocks of Qwen2.5-VL and Qwen3-VL)."""
 GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T, TRANSPOSED = "gate_up_interleaved", "gate_up_interleaved_t", "transposed"
 """gpt-oss's expert layout: gate and up rows interleaved (and, for weights, stored input-major: transposed)."""
+ZERO_CENTERED = "zero_centered"
+"""A norm weight megatron-core keeps zero-centred (its scale is 1 + weight) where the HF model keeps the scale:
+the gated delta net's output norm in Qwen3.5 and Qwen3-Next."""
 JOINED = "@"
 """Separates a part from the position of the piece a key holds (`joined`)."""
+
+
+def joined(part: str, position: int) -> str:
+    """The part of a tensor that megatron-core saves in pieces (several keys): this key holds piece `position`,
+    and the pieces, joined along their rows in order, are cut as `part` says."""
+    return f"{part}{JOINED}{position}"
+
+
+def split_joined(part: str) -> tuple[str, int | None]:
+    """(part, position of the piece), or (part, None) for a tensor saved whole."""
+    part, _, position = part.partition(JOINED)
+    return part, int(position) if position else None
+
+
 HF_FROM_MEGATRON: dict[str, list[tuple[str, str]]] = {
     "embedding.word_embeddings.weight": [("model.embed_tokens.weight", VOCAB)],
     "decoder.final_layernorm.weight": [("model.norm.weight", COPY)],
@@ -257,6 +274,36 @@ QWEN3_VL_MOE_EXPERTS: dict[str, list[tuple[str, str]]] = {
 }
 """Qwen3-VL-MoE's experts as its checkpoints hold them (and vLLM reads them), one tensor per layer for all of them,
 input-major: `gate_up_proj` (experts, hidden, 2·ffn), gate then up, and `down_proj` (experts, ffn, hidden)."""
+GATED_DELTA_NET: dict[str, list[tuple[str, str]]] = {
+    "decoder.layers.{layer}.self_attention.in_proj.layer_norm_weight": [
+        ("model.layers.{layer}.input_layernorm.weight", COPY)
+    ],
+    **{
+        f"decoder.layers.{{layer}}.self_attention.in_proj.weight.{piece}": [
+            ("model.layers.{layer}.linear_attn.in_proj_qkv.weight", joined(COPY, position))
+        ]
+        for position, piece in enumerate(("query", "key", "value"))
+    },
+    **{
+        f"decoder.layers.{{layer}}.self_attention.conv1d.weight.{piece}": [
+            ("model.layers.{layer}.linear_attn.conv1d.weight", joined(COPY, position))
+        ]
+        for position, piece in enumerate(("query", "key", "value"))
+    },
+    **{
+        f"decoder.layers.{{layer}}.self_attention.in_proj.weight.{piece}": [
+            (f"model.layers.{{layer}}.linear_attn.in_proj_{hf}.weight", COPY)
+        ]
+        for piece, hf in (("z", "z"), ("beta", "b"), ("alpha", "a"))
+    },
+    "decoder.layers.{layer}.self_attention.A_log": [("model.layers.{layer}.linear_attn.A_log", COPY)],
+    "decoder.layers.{layer}.self_attention.dt_bias": [("model.layers.{layer}.linear_attn.dt_bias", COPY)],
+    "decoder.layers.{layer}.self_attention.out_norm.weight": [("model.layers.{layer}.linear_attn.norm.weight", ZERO_CENTERED)],
+    "decoder.layers.{layer}.self_attention.out_proj.weight": [("model.layers.{layer}.linear_attn.out_proj.weight", COPY)],
+}
+"""megatron-core's gated delta net (the linear attention layers of Qwen3.5), as Qwen3.5 names it: the input
+projection saved in pieces (`in_proj.weight.query`, `.key`, `.value`, `.z`, `.beta`, `.alpha`; q, k and v joined
+into `in_proj_qkv`), the causal convolution likewise, and the output norm, which megatron-core keeps zero-centred."""
 LANGUAGE_MODEL, VISION_MODEL = "language_model.", "vision_model."
 """What the keys of each tower of a vision-language model start with."""
 
@@ -276,6 +323,11 @@ VISION_LANGUAGE_TABLES = {
         language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **QWEN3_VL_MOE_EXPERTS}),
         QWEN3_VL_VISION,
     ),
+    "qwen3_5": (language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **GATED_DELTA_NET}), QWEN3_VL_VISION),
+    "qwen3_5_moe": (
+        language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **GATED_DELTA_NET, **QWEN_MOE}),
+        QWEN3_VL_VISION,
+    ),
 }
 """The (language model, vision tower) tables of each vision-language model type."""
 
@@ -288,6 +340,7 @@ TABLES_BY_MODEL_TYPE = {
     "gpt_oss": GPT_OSS,
 }
 """What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
+OUTPUT_GATED_TEXT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys() | VISION_LANGUAGE_TABLES.keys()
 VALUE_HEAD = ("score.weight", COPY)
@@ -305,6 +358,9 @@ class Geometry:
     vocab_size: int
     num_experts: int
     num_deepstack_mergers: int = 0
+    output_gate: bool = False
+    """The attention's query projection also gives a sigmoid gate on its output (Qwen3.5, Qwen3-Next): per head,
+    HF keeps the gate's rows after the query's, megatron-core after a query group's."""
 
 
 class Stack(NamedTuple):
@@ -362,6 +418,7 @@ def mapping_table(model_type: str) -> dict[str, list[tuple[str, str]]]:
 
 def geometry_of(config) -> Geometry:
     return Geometry(
+        output_gate=config.model_type in OUTPUT_GATED_TEXT_MODEL_TYPES,
         num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,
         num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -369,18 +426,6 @@ def geometry_of(config) -> Geometry:
         vocab_size=config.vocab_size,
         num_experts=getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0,
     )
-
-
-def joined(part: str, position: int) -> str:
-    """The part of a tensor that megatron-core saves in pieces (several keys): this key holds piece `position`,
-    and the pieces, joined along their rows in order, are cut as `part` says."""
-    return f"{part}{JOINED}{position}"
-
-
-def split_joined(part: str) -> tuple[str, int | None]:
-    """(part, position of the piece), or (part, None) for a tensor saved whole."""
-    part, _, position = part.partition(JOINED)
-    return part, int(position) if position else None
 
 
 def targets(template: str, table: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]] | None:
@@ -460,7 +505,8 @@ def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) 
     rows, tail = shape[0], shape[1:]
     if part in (Q, K, V, QKV):
         per_group = geometry.num_heads // geometry.num_query_groups
-        expected = geometry.num_query_groups * (per_group + 2) * geometry.head_dim
+        query_rows = 2 * per_group if geometry.output_gate else per_group
+        expected = geometry.num_query_groups * (query_rows + 2) * geometry.head_dim
         if rows != expected:
             raise PlanError(
                 f"{key} has {rows} rows, but {geometry.num_heads} heads in {geometry.num_query_groups} query "
@@ -468,7 +514,7 @@ def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) 
             )
         if part == QKV:
             return shape
-        heads = per_group * geometry.num_query_groups if part == Q else geometry.num_query_groups
+        heads = query_rows * geometry.num_query_groups if part == Q else geometry.num_query_groups
         return (heads * geometry.head_dim, *tail)
     if part in (GATE, UP):
         return (rows // 2, *tail)
@@ -496,9 +542,15 @@ def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tens
         return interleaved.T.contiguous() if part == GATE_UP_INTERLEAVED_T else interleaved
     if part == QKV:
         return torch.cat([split_part(value, one, geometry) for one in (Q, K, V)])
+    if part == ZERO_CENTERED:
+        return (value.float() + 1).to(value.dtype)
     per_group = geometry.num_heads // geometry.num_query_groups
-    groups = value.reshape(geometry.num_query_groups, per_group + 2, geometry.head_dim, *value.shape[1:])
-    picked = {Q: groups[:, :per_group], K: groups[:, per_group], V: groups[:, per_group + 1]}[part]
+    query_rows = 2 * per_group if geometry.output_gate else per_group
+    groups = value.reshape(geometry.num_query_groups, query_rows + 2, geometry.head_dim, *value.shape[1:])
+    if part == Q and geometry.output_gate:
+        query, gate = groups[:, :per_group], groups[:, per_group:query_rows]
+        return torch.stack([query, gate], dim=2).reshape(-1, *value.shape[1:])
+    picked = {Q: groups[:, :per_group], K: groups[:, query_rows], V: groups[:, query_rows + 1]}[part]
     return picked.reshape(-1, *value.shape[1:])
 
 
