@@ -33,7 +33,7 @@ WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1
 MOE = [
     spec.name
     for spec in MEGATRON_FIXTURE_SPECS
-    if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_vl_moe", "qwen3_5_moe")
+    if spec.model in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_vl_moe", "qwen3_5_moe", "qwen3_next")
 ]
 
 

@@ -1,8 +1,8 @@
-"""Qwen3.5 (and Qwen3.5-MoE) for the Megatron fixture writer: the language model is megatron-core's own hybrid
-decoder (its gated delta net layers between attention layers with an output gate, zero-centred norms), built
-from megatron-core 0.16.1's modules as Megatron-Bridge configures it for Qwen3.5; the vision tower is Qwen3-VL's
-stand-in (`mergeflow.testing.megatron_qwen3_vl`). The HF weights are placed as Megatron-Bridge's `Qwen35VLBridge`
-maps them (read from its source: it cannot run here).
+"""Qwen3.5 (and Qwen3.5-MoE) and Qwen3-Next for the Megatron fixture writer: the language model is megatron-core's
+own hybrid decoder (its gated delta net layers between attention layers with an output gate, zero-centred norms),
+built from megatron-core 0.16.1's modules as Megatron-Bridge configures it for them; Qwen3.5's vision tower is
+Qwen3-VL's stand-in (`mergeflow.testing.megatron_qwen3_vl`). The HF weights are placed as Megatron-Bridge's
+`Qwen35VLBridge` and `Qwen3NextBridge` map them (read from its source: it cannot run here).
 
 megatron-core builds these layers only from Transformer Engine's, which need CUDA: here megatron-core's local
 layers stand in, with the parameter names Transformer Engine's fused norm + linear layers save
@@ -34,6 +34,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from mergeflow.testing.megatron import fused_qkv
 
 QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+HYBRID_TEXT_MODEL_TYPES = ("qwen3_next",)
+"""Text models with the same decoder (Qwen3-Next), whose gated delta net projections HF groups per key head."""
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
@@ -191,3 +193,24 @@ def hybrid_values(
         return dense_values(key) if own is None else own
 
     return value
+
+
+def projections_apart(state: dict[str, torch.Tensor], text) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's weights with each gated delta net's projections as Qwen3.5 holds them (`in_proj_qkv`,
+    `in_proj_z`, `_b`, `_a`), ungrouped from its per-key-head `in_proj_qkvz` and `in_proj_ba` as transformers'
+    `fix_query_key_value_ordering` reads them."""
+    key_heads, key_dim = text.linear_num_key_heads, text.linear_key_head_dim
+    per_key_head = text.linear_num_value_heads // key_heads * text.linear_value_head_dim
+    apart = dict(state)
+    for name in [name for name in state if name.endswith("linear_attn.in_proj_qkvz.weight")]:
+        attention = name.removesuffix("in_proj_qkvz.weight")
+        qkvz = apart.pop(name).reshape(key_heads, -1, text.hidden_size)
+        q, k, v, z = (part.reshape(-1, text.hidden_size) for part in qkvz.split([key_dim, key_dim, per_key_head, per_key_head], dim=1))
+        b, a = (part.reshape(-1, text.hidden_size) for part in apart.pop(f"{attention}in_proj_ba.weight").reshape(key_heads, 2, -1, text.hidden_size).unbind(1))
+        apart |= {
+            f"{attention}in_proj_qkv.weight": torch.cat([q, k, v]),
+            f"{attention}in_proj_z.weight": z,
+            f"{attention}in_proj_b.weight": b,
+            f"{attention}in_proj_a.weight": a,
+        }
+    return apart

@@ -38,6 +38,9 @@ QKV = "qkv"
 (the vision blocks of Qwen2.5-VL and Qwen3-VL)."""
 GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T, TRANSPOSED = "gate_up_interleaved", "gate_up_interleaved_t", "transposed"
 """gpt-oss's expert layout: gate and up rows interleaved (and, for weights, stored input-major: transposed)."""
+QKVZ_BY_KEY_HEAD, BA_BY_KEY_HEAD = "qkvz_by_key_head", "ba_by_key_head"
+"""Qwen3-Next's fused gated delta net projections: megatron-core's pieces ([all q; all k; all v; all z], and
+[all beta; all alpha]) regrouped per key head, as `in_proj_qkvz` and `in_proj_ba` hold them."""
 ZERO_CENTERED = "zero_centered"
 """A norm weight megatron-core keeps zero-centred (its scale is 1 + weight) where the HF model keeps the scale:
 the gated delta net's output norm in Qwen3.5 and Qwen3-Next."""
@@ -304,6 +307,22 @@ GATED_DELTA_NET: dict[str, list[tuple[str, str]]] = {
 """megatron-core's gated delta net (the linear attention layers of Qwen3.5), as Qwen3.5 names it: the input
 projection saved in pieces (`in_proj.weight.query`, `.key`, `.value`, `.z`, `.beta`, `.alpha`; q, k and v joined
 into `in_proj_qkv`), the causal convolution likewise, and the output norm, which megatron-core keeps zero-centred."""
+QWEN3_NEXT_GATED_DELTA_NET: dict[str, list[tuple[str, str]]] = {
+    **GATED_DELTA_NET,
+    **{
+        f"decoder.layers.{{layer}}.self_attention.in_proj.weight.{piece}": [
+            ("model.layers.{layer}.linear_attn.in_proj_qkvz.weight", joined(QKVZ_BY_KEY_HEAD, position))
+        ]
+        for position, piece in enumerate(("query", "key", "value", "z"))
+    },
+    **{
+        f"decoder.layers.{{layer}}.self_attention.in_proj.weight.{piece}": [
+            ("model.layers.{layer}.linear_attn.in_proj_ba.weight", joined(BA_BY_KEY_HEAD, position))
+        ]
+        for position, piece in enumerate(("beta", "alpha"))
+    },
+}
+"""Qwen3-Next's gated delta net: Qwen3.5's, but with its input projection in two tensors grouped per key head."""
 LANGUAGE_MODEL, VISION_MODEL = "language_model.", "vision_model."
 """What the keys of each tower of a vision-language model start with."""
 
@@ -338,9 +357,10 @@ TABLES_BY_MODEL_TYPE = {
     "deepseek_v3": {**MLA, **DEEPSEEK_MOE, **MTP},
     "glm4_moe": {**DEEPSEEK_MOE, **MTP},
     "gpt_oss": GPT_OSS,
+    "qwen3_next": {**QWEN3_NEXT_GATED_DELTA_NET, **QWEN_MOE},
 }
 """What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
-OUTPUT_GATED_TEXT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
+OUTPUT_GATED_TEXT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
 DENSE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES | TABLES_BY_MODEL_TYPE.keys() | VISION_LANGUAGE_TABLES.keys()
 VALUE_HEAD = ("score.weight", COPY)
@@ -359,6 +379,9 @@ class Geometry:
     num_experts: int
     num_deepstack_mergers: int = 0
     output_gate: bool = False
+    linear_key_heads: int = 0
+    linear_key_dim: int = 0
+    """The gated delta net's key heads, and their rows in all (Qwen3-Next regroups its projections by key head)."""
     """The attention's query projection also gives a sigmoid gate on its output (Qwen3.5, Qwen3-Next): per head,
     HF keeps the gate's rows after the query's, megatron-core after a query group's."""
 
@@ -419,6 +442,8 @@ def mapping_table(model_type: str) -> dict[str, list[tuple[str, str]]]:
 def geometry_of(config) -> Geometry:
     return Geometry(
         output_gate=config.model_type in OUTPUT_GATED_TEXT_MODEL_TYPES,
+        linear_key_heads=getattr(config, "linear_num_key_heads", None) or 0,
+        linear_key_dim=(getattr(config, "linear_num_key_heads", None) or 0) * (getattr(config, "linear_key_head_dim", None) or 0),
         num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,
         num_query_groups=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -544,6 +569,15 @@ def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tens
         return torch.cat([split_part(value, one, geometry) for one in (Q, K, V)])
     if part == ZERO_CENTERED:
         return (value.float() + 1).to(value.dtype)
+    if part in (QKVZ_BY_KEY_HEAD, BA_BY_KEY_HEAD):
+        key_dim = geometry.linear_key_dim
+        if part == QKVZ_BY_KEY_HEAD:
+            value_dim = (value.shape[0] - 2 * key_dim) // 2
+            pieces = value.split([key_dim, key_dim, value_dim, value_dim])
+        else:
+            pieces = value.chunk(2)
+        per_head = [piece.reshape(geometry.linear_key_heads, -1, *value.shape[1:]) for piece in pieces]
+        return torch.cat(per_head, dim=1).reshape(value.shape)
     per_group = geometry.num_heads // geometry.num_query_groups
     query_rows = 2 * per_group if geometry.output_gate else per_group
     groups = value.reshape(geometry.num_query_groups, query_rows + 2, geometry.head_dim, *value.shape[1:])
