@@ -1,11 +1,16 @@
 """Helpers the tests share: merge with the engine alone, and load what a merge wrote."""
 
+import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint
 import transformers
 from safetensors.torch import load_file
 
+from mergeflow.formats.megatron.dcp import read_metadata, read_slice
 from mergeflow.job import MergeJob
 from mergeflow.options import MergeOptions
 from mergeflow.output.manifest import SavedModel
@@ -38,3 +43,17 @@ def logits(model_dir: Path, dtype: torch.dtype) -> torch.Tensor:
     model = model_class(model_dir).from_pretrained(model_dir, dtype=dtype).eval()
     with torch.no_grad():
         return model(INPUT_IDS).logits
+
+
+def resaved_megatron_checkpoint(
+    model_dir: Path, checkpoint_dir: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+) -> Path:
+    """A checkpoint in verl's 2025 layout (`dist_ckpt/` beside `huggingface/`) holding a Megatron fixture's
+    tensors as `edit` returns them, saved by torch DCP's own writer. Returns `checkpoint_dir`."""
+    archive = Path(model_dir) / "dist_ckpt"
+    state = edit({key: read_slice(archive, entry) for key, entry in read_metadata(archive).items()})
+    shutil.copytree(Path(model_dir) / "huggingface", checkpoint_dir / "huggingface")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it saves from one process
+        torch.distributed.checkpoint.save(state, checkpoint_id=checkpoint_dir / "dist_ckpt", no_dist=True)
+    return checkpoint_dir

@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,13 @@ import mergeflow.formats.megatron.names
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.formats.megatron.contents import CONTENTS_FILE
-from mergeflow.formats.megatron.dcp import read_metadata, read_slice
 from mergeflow.formats.megatron.index import index_megatron
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
 from mergeflow.spec.model_spec import load_model_spec
 from mergeflow.testing.megatron import LOGITS_INPUT_IDS
 from mergeflow.validation.validate import validate_model_dir
 from tests.conftest import MEGATRON_FIXTURE_NAMES, MEGATRON_FIXTURE_SPECS
-from tests.merging import load_weights, logits, merge_with_engine, model_class
+from tests.merging import load_weights, logits, merge_with_engine, model_class, resaved_megatron_checkpoint
 
 REPO_ROOT = Path(__file__).parent.parent
 WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1]
@@ -94,18 +92,17 @@ def qwen3_vl_one_key_per_module(megatron_fixtures, tmp_path_factory):
     """The Qwen3-VL checkpoint with every stacked tensor saved one key per layer and per DeepStack merger, as
     Megatron-Bridge saves a model whose layers differ, by torch DCP's own writer."""
     fixture = megatron_fixtures["megatron-qwen3vl-tp2"]
-    archive = fixture.model_dir / "dist_ckpt"
     stacked = re.compile(r"^(.*\.(?:layers|deepstack_merger_list)\.)(?!\d)(.*)$")
-    state = {}
-    for key, entry in read_metadata(archive).items():
-        value, match = read_slice(archive, entry), stacked.match(key)
-        state |= {f"{match[1]}{i}.{match[2]}": one for i, one in enumerate(value)} if match else {key: value}
+
+    def one_key_per_module(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        unstacked = {}
+        for key, value in state.items():
+            match = stacked.match(key)
+            unstacked |= {f"{match[1]}{i}.{match[2]}": one for i, one in enumerate(value)} if match else {key: value}
+        return unstacked
+
     checkpoint_dir = tmp_path_factory.mktemp("one-key-per-module") / "global_step_1" / "actor"
-    shutil.copytree(fixture.model_dir / "huggingface", checkpoint_dir / "huggingface")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that it saves from one process
-        torch.distributed.checkpoint.save(state, checkpoint_id=checkpoint_dir / "dist_ckpt", no_dist=True)
-    return fixture, checkpoint_dir
+    return fixture, resaved_megatron_checkpoint(fixture.model_dir, checkpoint_dir, one_key_per_module)
 
 
 def test_layers_and_deepstack_mergers_saved_one_key_each_merge_as_stacked_ones_do(qwen3_vl_one_key_per_module, tmp_path):
@@ -129,22 +126,17 @@ def checkpoint_with_optimizer_state(megatron_fixtures, tmp_path_factory):
     of a megatron-core fixture plus Adam moments under megatron-core's optimizer keys, saved by torch DCP's
     own writer (which also records the archive's path in the metadata)."""
     fixture = megatron_fixtures["megatron-qwen2-tp1"]
-    archive = fixture.model_dir / "dist_ckpt"
-    model_state = {key: read_slice(archive, entry) for key, entry in read_metadata(archive).items()}
-    optimizer_state = {
-        f"{prefix}optimizer.state.{moment}.{key}": torch.randn_like(value)
-        for key, value in model_state.items()
-        for moment in ("exp_avg", "exp_avg_sq")
-        for prefix in ("", "chained_1.")
-    }
+
+    def with_optimizer_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return model_state | {
+            f"{prefix}optimizer.state.{moment}.{key}": torch.randn_like(value)
+            for key, value in model_state.items()
+            for moment in ("exp_avg", "exp_avg_sq")
+            for prefix in ("", "chained_1.")
+        }
+
     checkpoint_dir = tmp_path_factory.mktemp("with-optimizer") / "global_step_1" / "actor"
-    shutil.copytree(fixture.model_dir / "huggingface", checkpoint_dir / "huggingface")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that it saves from one process
-        torch.distributed.checkpoint.save(
-            model_state | optimizer_state, checkpoint_id=checkpoint_dir / "dist_ckpt", no_dist=True
-        )
-    return fixture, checkpoint_dir
+    return fixture, resaved_megatron_checkpoint(fixture.model_dir, checkpoint_dir, with_optimizer_state)
 
 
 def test_optimizer_state_saved_with_the_model_is_left_out(checkpoint_with_optimizer_state, tmp_path):

@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from mergeflow.cli import main
-from tests.merging import load_weights, merge_with_engine
+from mergeflow.validation.validate import validate_model_dir
+from tests.merging import load_weights, merge_with_engine, resaved_megatron_checkpoint
 
 FIXTURE = "megatron-deepseek-v3-mla-mtp-tp2-ep2"
 MTP_LAYER = "model.layers.2."
@@ -53,6 +54,18 @@ def test_the_mtp_tensors_equal_the_source(megatron_fixtures, merged_with_mtp):
 
     assert mtp_names
     assert [name for name in mtp_names if not torch.equal(merged_with_mtp[name], reference[name])] == []
+
+
+def test_an_mtp_layer_keyed_as_later_megatron_core_releases_key_it_merges_the_same(megatron_fixtures, tmp_path):
+    fixture = megatron_fixtures[FIXTURE]
+
+    def renamed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key.replace(".transformer_layer.", ".mtp_model_layer."): value for key, value in state.items()}
+
+    checkpoint_dir = resaved_megatron_checkpoint(fixture.model_dir, tmp_path / "run" / "global_step_1" / "actor", renamed)
+    merge_with_engine(checkpoint_dir, tmp_path / "out", backend="megatron", dtype="keep")
+
+    assert validate_model_dir(tmp_path / "out", reference_dir=fixture.reference_dir).passed
 
 
 def test_the_mtp_layer_holds_copies_of_the_models_embedding_and_head(merged_with_mtp):

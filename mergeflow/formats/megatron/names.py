@@ -19,8 +19,9 @@ DEEPSTACK_MERGERS = re.compile(r"^decoder\.deepstack_merger_list\.(?:(\d+)\.)?")
 """A Qwen3-VL vision tower's DeepStack merger key: stacked (no index) or one merger's, as decoder layers are."""
 MTP_LAYERS = re.compile(r"^mtp\.layers\.(\d+)\.")
 """A multi-token-prediction layer's key (`mtp.layers.0.`): it follows the decoder's layers."""
-MTP_DECODER_LAYER = "transformer_layer."
-"""Within an MTP layer, its decoder layer, keyed as the decoder's layers are."""
+MTP_DECODER_LAYER = re.compile(r"^(?:transformer_layer|mtp_model_layer)\.")
+"""Within an MTP layer, its decoder layer, keyed as the decoder's layers are (`transformer_layer.` up to
+megatron-core 0.16, `mtp_model_layer.` in later releases, which Megatron-Bridge runs on)."""
 EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
 """Routed experts: on an axis of their own (no index) or one key per expert (`.experts.experts.7.`)."""
 TRAINING_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
@@ -494,8 +495,8 @@ def locate(key: str, entry: StoredTensor, geometry: Geometry) -> tuple[str, list
     mtp = MTP_LAYERS.match(key)
     if mtp is not None:
         layer, rest = geometry.num_layers + int(mtp[1]), key[mtp.end() :]
-        if rest.startswith(MTP_DECODER_LAYER):
-            return locate(f"decoder.layers.{layer}.{rest.removeprefix(MTP_DECODER_LAYER)}", entry, geometry)
+        if decoder_layer := MTP_DECODER_LAYER.match(rest):
+            return locate(f"decoder.layers.{layer}.{rest[decoder_layer.end() :]}", entry, geometry)
         return f"mtp.layers.{{layer}}.{rest}", [((), {"layer": layer})]
     stack = next(((stack, match) for stack in STACKS if (match := stack.pattern.match(key))), None)
     if stack is None:
