@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from mergeflow.formats.base import TensorIndex
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, recorded_alpha
 from mergeflow.planning import mtp_layer_names
 from mergeflow.spec.config_files import CONFIG_FILE
-from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_model_spec
+from mergeflow.spec.model_spec import ModelSpec, load_model_spec
 
 
 def describe_checkpoint(
@@ -43,7 +44,9 @@ def describe_checkpoint(
         "num_parameters": sum(math.prod(t.shape) for t in counted),
         "architecture": spec.architecture if spec else None,
         "model_type": _model_type(Path(spec.config_dir)) if spec else None,
-        "mtp_layers": len({DECODER_LAYER.match(name)[1] for name in mtp_layer_names(names, spec)}) if spec else 0,
+        "mtp_layers": len({match[1] for name in mtp_layer_names(names, spec) if (match := MTP_LAYER.match(name))})
+        if spec
+        else 0,
         "tied": tied,
         "lora": bool(lora_names),
         "value_model": spec.is_value_model
@@ -53,6 +56,10 @@ def describe_checkpoint(
     if lora_names:
         description.update(_lora_description(index, lora_names))
     return description
+
+
+MTP_LAYER = re.compile(r"^(?:model|mtp)\.layers\.(\d+)\.")
+"""An MTP layer's tensor, as DeepSeek-V3's checkpoints name it or as Qwen3-Next's do."""
 
 
 def _lora_description(index: TensorIndex, lora_names: list[str]) -> dict:

@@ -188,13 +188,23 @@ def plan_adapter(index: TensorIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTY
     return AdapterPlan(weights=weights, config=lora.config)
 
 
+MTP_PREFIX = "mtp."
+"""Where Qwen3-Next's and Qwen3.5's checkpoints keep their multi-token-prediction layer."""
+
+
 def mtp_layer_names(names: Iterable[str], spec: ModelSpec) -> list[str]:
-    """The tensors of layers after the decoder's that the config does not declare: the multi-token-prediction
-    layers DeepSeek-V3-style checkpoints keep as `model.layers.{num_hidden_layers + k}`."""
-    declared = [int(match[1]) for name in (*spec.expected_shapes, *spec.saved_shapes) if (match := DECODER_LAYER.match(name))]
-    if not declared:
-        return []
-    return [name for name in names if (match := DECODER_LAYER.match(name)) and int(match[1]) > max(declared)]
+    """The multi-token-prediction layers' tensors: those under `mtp.` that the config does not declare (Qwen3-Next's,
+    Qwen3.5's), and those of layers after the decoder's (DeepSeek-V3-style checkpoints keep them as
+    `model.layers.{num_hidden_layers + k}`)."""
+    declared = {*spec.expected_shapes, *spec.saved_shapes}
+    layers = [int(match[1]) for name in declared if (match := DECODER_LAYER.match(name))]
+    last = max(layers, default=None)
+    return [
+        name
+        for name in names
+        if (name.startswith(MTP_PREFIX) and name not in declared)
+        or (last is not None and (match := DECODER_LAYER.match(name)) and int(match[1]) > last)
+    ]
 
 
 def expected_shapes(spec: ModelSpec, names: Iterable[str]) -> dict[str, tuple[int, ...]]:

@@ -188,8 +188,8 @@ MEGATRON_FIXTURE_SPECS = [
     MegatronFixtureSpec("megatron-qwen3vl-tp2", model="qwen3_vl", tp=2),  # Megatron-Bridge's layout, from its source
     MegatronFixtureSpec("megatron-qwen3vlmoe-tp2-ep2", model="qwen3_vl_moe", tp=2, ep=2),
     MegatronFixtureSpec("megatron-qwen35-tp2", model="qwen3_5", tp=2),  # megatron-core's gated delta net
-    MegatronFixtureSpec("megatron-qwen35moe-tp2-ep2", model="qwen3_5_moe", tp=2, ep=2),
-    MegatronFixtureSpec("megatron-qwen3next-tp2-ep2", model="qwen3_next", tp=2, ep=2),
+    MegatronFixtureSpec("megatron-qwen35moe-tp2-ep2-mtp", model="qwen3_5_moe", tp=2, ep=2, mtp=1),
+    MegatronFixtureSpec("megatron-qwen3next-tp2-ep2-mtp", model="qwen3_next", tp=2, ep=2, mtp=1),
 ]
 MEGATRON_FIXTURE_NAMES = [spec.name for spec in MEGATRON_FIXTURE_SPECS]
 

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's multi-token-prediction layer, saved by megatron-core (`mtp.layers.0.*`), is kept under the
-names DeepSeek-V3's checkpoints use, or left out on request.
+"""Multi-token-prediction layers, saved by megatron-core (`mtp.layers.0.*`), are kept under the names the model's
+checkpoints use (DeepSeek-V3's `model.layers.{num_hidden_layers}.*`; Qwen3-Next's and Qwen3.5's `mtp.*`), or left
+out on request.
 
 The reference model's MTP tensors are added to its safetensors as those checkpoints hold them (transformers
 builds no MTP layer); megatron-core's MTP block is filled from them and saves them into the archive."""
@@ -15,6 +16,8 @@ from mergeflow.validation.validate import validate_model_dir
 from tests.merging import load_weights, merge_with_engine, resaved_megatron_checkpoint
 
 FIXTURE = "megatron-deepseek-v3-mla-mtp-tp2-ep2"
+QWEN_STYLE = ["megatron-qwen3next-tp2-ep2-mtp", "megatron-qwen35moe-tp2-ep2-mtp"]
+"""Fixtures whose MTP layer their checkpoints keep under `mtp.`: Qwen3-Next, and Qwen3.5 (a vision-language model)."""
 MTP_LAYER = "model.layers.2."
 """The tiny model has two decoder layers: its MTP layer is the third."""
 
@@ -91,3 +94,20 @@ def test_inspect_reports_the_mtp_layer_the_layout_and_the_parallel_sizes(megatro
     assert description["model_type"] == "deepseek_v3"
     assert description["layout"] == "verl v2 (ckpt_contents.json)"
     assert (description["expert_model_parallel_size"], description["pipeline_model_parallel_size"]) == (2, 1)
+
+
+@pytest.mark.parametrize("name", QWEN_STYLE)
+def test_a_qwen_mtp_layer_is_kept_under_its_checkpoints_mtp_names(megatron_fixtures, tmp_path, name):
+    merge_with_engine(megatron_fixtures[name].checkpoint_dir, tmp_path, backend="megatron", dtype="keep")
+
+    reference = load_weights(megatron_fixtures[name].reference_dir)
+    merged = load_weights(tmp_path)
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= merged.keys()
+    assert {n for n in merged if n.startswith("mtp.")} == {n for n in reference if n.startswith("mtp.")}
+
+
+@pytest.mark.parametrize("name", QWEN_STYLE)
+def test_dropping_mtp_leaves_out_a_qwen_mtp_layer(megatron_fixtures, tmp_path, name):
+    merge_with_engine(megatron_fixtures[name].checkpoint_dir, tmp_path, backend="megatron", dtype="keep", drop_mtp=True)
+
+    assert [n for n in load_weights(tmp_path) if n.startswith("mtp.")] == []

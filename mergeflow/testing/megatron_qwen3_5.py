@@ -11,11 +11,13 @@ runs in its own torch implementation (`deterministic_mode`), so the `fla` packag
 not needed; `l2norm`, which it takes from `fla`, is the formula transformers uses in its place.
 """
 
+import re
 from collections.abc import Callable
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.ssm import gated_delta_net
@@ -34,6 +36,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from mergeflow.testing.megatron import fused_qkv
 
 QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+LAYER = re.compile(r"^(?:decoder\.layers\.(\d+)\.|mtp\.layers\.(\d+)\.transformer_layer\.)")
+"""One decoder layer's key, or an MTP layer's decoder layer's (the layer after the decoder's)."""
 HYBRID_TEXT_MODEL_TYPES = ("qwen3_next",)
 """Text models with the same decoder (Qwen3-Next), whose gated delta net projections HF groups per key head."""
 
@@ -135,10 +139,22 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+class ZeroCenteredNorms(LocalSpecProvider):
+    """megatron-core's local layers, with the zero-centred RMSNorm (for the MTP layer's norms)."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return ZeroCenteredRMSNorm
+
+
 def build_hybrid_language_model(text, config: TransformerConfig) -> GPTModel:
+    """The hybrid decoder, with its MTP layer (shaped as its last layer) when the config has one."""
+    block = hybrid_block_spec(config)
     return GPTModel(
         config,
-        transformer_layer_spec=hybrid_block_spec(config),
+        transformer_layer_spec=block,
+        mtp_block_spec=get_gpt_mtp_block_spec_for_backend(config, block, backend=ZeroCenteredNorms())
+        if config.mtp_num_layers
+        else None,
         vocab_size=text.vocab_size,
         max_sequence_length=text.max_position_embeddings,
         share_embeddings_and_output_weights=text.tie_word_embeddings,
@@ -185,11 +201,11 @@ def hybrid_values(
         return None
 
     def value(key: str) -> torch.Tensor:
-        prefix, _, rest = key.partition("decoder.layers.")
-        if not rest or prefix:
+        layer = LAYER.match(key)
+        if layer is None:
             return dense_values(key)
-        index, _, name = rest.partition(".")
-        own = one_layer(f"model.layers.{index}.", name)
+        index = int(layer[1]) if layer[1] is not None else text.num_hidden_layers + int(layer[2])
+        own = one_layer(f"model.layers.{index}.", key[layer.end() :])
         return dense_values(key) if own is None else own
 
     return value
@@ -214,3 +230,19 @@ def projections_apart(state: dict[str, torch.Tensor], text) -> dict[str, torch.T
             f"{attention}in_proj_a.weight": a,
         }
     return apart
+
+
+def mtp_as_deepseek_names(state: dict[str, torch.Tensor], text) -> dict[str, torch.Tensor]:
+    """The weights with the MTP layer's tensors under the names of DeepSeek-V3's (which the worker reads): its
+    decoder layer `model.layers.{num_hidden_layers + k}.*`, and `mtp.fc`, `mtp.pre_fc_norm_embedding`,
+    `mtp.pre_fc_norm_hidden`, `mtp.norm` as that layer's `eh_proj`, `enorm`, `hnorm`, `shared_head.norm`."""
+    last = f"model.layers.{text.num_hidden_layers}."
+    own = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head.norm"}
+    renamed = {}
+    for name, tensor in state.items():
+        if match := re.match(r"^mtp\.layers\.(\d+)\.", name):
+            name = f"model.layers.{text.num_hidden_layers + int(match[1])}.{name[match.end() :]}"
+        elif name.startswith("mtp."):
+            name = f"{last}{own[name.removeprefix('mtp.').removesuffix('.weight')]}.weight"
+        renamed[name] = tensor
+    return renamed

@@ -9,6 +9,7 @@ it, never a dropped tensor.
 """
 
 import dataclasses
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,9 @@ from mergeflow.errors import CheckpointError, PlanError, quoted
 from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.formats.megatron.layout import MegatronLayout
 from mergeflow.formats.megatron.names import (
+    HF_MTP_PREFIX,
     MTP_SHARED,
+    MTP_UNDER_ITS_OWN_NAMES,
     SUPPORTED_MODEL_TYPES,
     TRAINING_STATE,
     VALUE_HEAD,
@@ -35,6 +38,9 @@ from mergeflow.formats.megatron.names import (
 )
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names
 from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_config
+
+ANY_DECODER_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
+"""A decoder layer's tensor, in a language model or in a vision-language model's language model."""
 
 Slice = tuple[str, tuple[int, ...]]
 """A stored key, and the indices into its stacked axes (layer, expert) that select one layer's (or expert's) tensor."""
@@ -147,7 +153,10 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     for (_, expert), parts in pieces.items():
         place(_joined([parts[position] for position in sorted(parts)]), expert)
     tensors |= {name: _all_experts(parts, geometry) for name, parts in expert_parts.items()}
-    tensors |= _mtp_shared_tensors(tensors, geometry)
+    if config.model_type in MTP_UNDER_ITS_OWN_NAMES:
+        tensors = _mtp_layers_under_their_own_names(tensors, geometry)
+    else:
+        tensors |= _mtp_shared_tensors(tensors, geometry)
     if lora_tensor_names(tensors):
         tensors = _as_peft_model(tensors)
     if unmapped:
@@ -194,6 +203,19 @@ def _all_experts(parts: dict[int, MegatronTensor], geometry: Geometry) -> Megatr
         shape=(geometry.num_experts, *first.shape),
         experts=tuple(parts[expert].slices for expert in sorted(parts)),
     )
+
+
+def _mtp_layers_under_their_own_names(tensors: dict[str, MegatronTensor], geometry: Geometry) -> dict[str, MegatronTensor]:
+    """The tensors with each MTP layer's decoder layer (mapped as layer `num_layers + k`) renamed `mtp.layers.{k}.*`,
+    as Qwen3-Next's and Qwen3.5's checkpoints name it."""
+
+    def renamed(name: str) -> str:
+        layer = ANY_DECODER_LAYER.match(name)
+        if layer is None or int(layer[1]) < geometry.num_layers:
+            return name
+        return f"{HF_MTP_PREFIX}layers.{int(layer[1]) - geometry.num_layers}.{name[layer.end() :]}"
+
+    return {renamed(name): dataclasses.replace(tensor, name=renamed(name)) for name, tensor in tensors.items()}
 
 
 def _mtp_shared_tensors(tensors: dict[str, MegatronTensor], geometry: Geometry) -> dict[str, MegatronTensor]:

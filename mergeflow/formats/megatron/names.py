@@ -182,6 +182,17 @@ MTP: dict[str, list[tuple[str, str]]] = {
 """A multi-token-prediction layer's own tensors, under the names of DeepSeek-V3's checkpoints: layer
 `num_hidden_layers + k` (its decoder layer is named as the decoder's; the index adds the copies of the
 embedding and the head that those checkpoints hold, `MTP_SHARED`)."""
+QWEN_MTP: dict[str, list[tuple[str, str]]] = {
+    "mtp.layers.{layer}.enorm.weight": [("mtp.pre_fc_norm_embedding.weight", COPY)],
+    "mtp.layers.{layer}.hnorm.weight": [("mtp.pre_fc_norm_hidden.weight", COPY)],
+    "mtp.layers.{layer}.eh_proj.weight": [("mtp.fc.weight", COPY)],
+    "mtp.layers.{layer}.final_layernorm.weight": [("mtp.norm.weight", COPY)],
+}
+"""The multi-token-prediction layer of Qwen3-Next and Qwen3.5, under their checkpoints' names: its own tensors
+(`mtp.fc`, its norms), and its decoder layer as `mtp.layers.{k}.*` (`MTP_UNDER_ITS_OWN_NAMES`), named within as
+the decoder's layers are. It holds no copies of the embedding or the head."""
+MTP_UNDER_ITS_OWN_NAMES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
+HF_MTP_PREFIX = "mtp."
 MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 """An MTP layer's copies (by name in the layer) of the model's embedding and head, which megatron-core shares."""
 
@@ -343,9 +354,12 @@ VISION_LANGUAGE_TABLES = {
         language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **QWEN3_VL_MOE_EXPERTS}),
         QWEN3_VL_VISION,
     ),
-    "qwen3_5": (language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **GATED_DELTA_NET}), QWEN3_VL_VISION),
+    "qwen3_5": (
+        language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **GATED_DELTA_NET, **QWEN_MTP}),
+        QWEN3_VL_VISION,
+    ),
     "qwen3_5_moe": (
-        language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **GATED_DELTA_NET, **QWEN_MOE}),
+        language_model_under("model.language_model.", {**HF_FROM_MEGATRON, **GATED_DELTA_NET, **QWEN_MOE, **QWEN_MTP}),
         QWEN3_VL_VISION,
     ),
 }
@@ -358,7 +372,7 @@ TABLES_BY_MODEL_TYPE = {
     "deepseek_v3": {**MLA, **DEEPSEEK_MOE, **MTP},
     "glm4_moe": {**DEEPSEEK_MOE, **MTP},
     "gpt_oss": GPT_OSS,
-    "qwen3_next": {**QWEN3_NEXT_GATED_DELTA_NET, **QWEN_MOE},
+    "qwen3_next": {**QWEN3_NEXT_GATED_DELTA_NET, **QWEN_MOE, **QWEN_MTP},
 }
 """What a model type adds to (or overrides in) HF_FROM_MEGATRON."""
 OUTPUT_GATED_TEXT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
