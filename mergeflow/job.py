@@ -264,7 +264,13 @@ class MergeJob:
             raise OptionError(f"{self.local_dir} is a LoRA-only checkpoint: it holds no base model to compare")
         with MergedCheckpoint(plan, self.index()) as merged:
             report = compare_to_reference(
-                merged, Path(test_hf_dir), model_dir=self.layout().checkpoint_dir, tied=self.spec().tied, atol=atol, rtol=rtol
+                merged,
+                Path(test_hf_dir),
+                model_dir=self.layout().checkpoint_dir,
+                tied=self.spec().tied,
+                transposed=self.spec().transposed_on_disk,
+                atol=atol,
+                rtol=rtol,
             )
             merged.verify()
         return report

@@ -227,8 +227,10 @@ def _output_layout(
     fused MoE experts, saved one tensor per expert) is written as `save_pretrained` writes it: every
     saved tensor a view of the kept tensor it comes from. Tensors the config does not declare keep
     their names. A LoRA folded into a tensor that would be split keeps the in-memory names throughout.
+    A tensor the model's checkpoints hold transposed (`ModelSpec.transposed_on_disk`), kept in the in-memory
+    layout, is written transposed, as a view of the kept tensor.
     """
-    as_kept = {name: (name, source.shape, None) for name, source in kept.items()}
+    as_kept = {name: _as_on_disk(spec, name, source.shape, folds) for name, source in kept.items()}
     if not spec.saved_views or _has_saved_names(spec, kept):
         return as_kept
     saved = {name: view for name, view in spec.saved_views.items() if view.source in kept}
@@ -242,6 +244,20 @@ def _output_layout(
     split = {view.source for view in saved.values()}
     layout.update({name: entry for name, entry in as_kept.items() if name not in split})
     return layout
+
+
+def _as_on_disk(
+    spec: ModelSpec, name: str, shape: tuple[int, ...], folds: dict[str, LoraFold]
+) -> tuple[str, tuple[int, ...], SavedView | None]:
+    """A kept tensor's output: itself, or, where the model's checkpoints hold it transposed and it is kept in
+    the in-memory layout (an FSDP checkpoint's), its transposed view."""
+    on_disk = spec.shape_on_disk(name, shape)
+    if name in folds or on_disk == shape or shape != spec.expected_shapes.get(name):
+        return name, shape, None
+    first, second = spec.transposed_on_disk[name]
+    strides = list(_contiguous_strides(shape))
+    strides[first], strides[second] = strides[second], strides[first]
+    return name, on_disk, SavedView(name, tuple(strides), 0)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -265,7 +281,7 @@ def _check_against_config(
     mismatches = [
         f"{name}: got {source.shape}, expected {expected[name]}"
         for name, source in kept.items()
-        if name in expected and source.shape not in (expected[name], spec.also_loaded_transposed.get(name))
+        if name in expected and source.shape not in (expected[name], spec.shape_on_disk(name, expected[name]))
     ]
     if mismatches:
         raise PlanError(

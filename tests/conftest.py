@@ -49,6 +49,7 @@ FIXTURE_SPECS = [
     FixtureSpec("qwen2moe-fsdp1-ws2", model="qwen2_moe", world_size=2, fsdp_version=1, tie=False),
     FixtureSpec("qwen25vl-ws2", model="qwen2_5_vl", world_size=2, tie=False),
     FixtureSpec("qwen25vl-tied-fsdp1-ws3", model="qwen2_5_vl", world_size=3, fsdp_version=1),
+    FixtureSpec("qwen3vlmoe-ws2", model="qwen3_vl_moe", world_size=2, tie=False),
     FixtureSpec(
         "llama-fsdp1-hsdp-2x2",
         model="llama",

@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
+from mergeflow.validation.validate import validate_model_dir
 from tests.conftest import FIXTURE_NAMES
 from tests.merging import load_weights, logits, merge_with_engine, model_class
 
@@ -87,3 +89,19 @@ def test_weights_file_is_byte_identical_to_what_save_pretrained_writes(fixtures,
     written = merged(name, "keep") / "model.safetensors"
 
     assert written.read_bytes() == (fixtures[name].reference_dir / "model.safetensors").read_bytes()
+
+
+def test_qwen3_vl_moe_experts_are_written_input_major_as_its_checkpoints_hold_them(merged):
+    experts = load_weights(merged("qwen3vlmoe-ws2", "bf16"))["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    config = transformers.AutoConfig.from_pretrained(merged("qwen3vlmoe-ws2", "bf16")).text_config
+
+    assert experts.shape == (config.num_experts, config.hidden_size, 2 * config.moe_intermediate_size)
+
+
+def test_a_merge_validates_against_a_reference_saved_output_major(fixtures, merged, tmp_path):
+    reference = fixtures["qwen3vlmoe-ws2"].reference_dir
+    model_class(reference).from_pretrained(reference).save_pretrained(tmp_path)  # transformers 5 saves output-major
+
+    report = validate_model_dir(merged("qwen3vlmoe-ws2", "keep"), reference_dir=tmp_path)
+
+    assert report.passed, report.failure_message()

@@ -35,7 +35,7 @@ SPEC_FIELDS = (
     "expected_shapes",
     "saved_shapes",
     "saved_views",
-    "also_loaded_transposed",
+    "transposed_on_disk",
     "tied",
     "is_value_model",
     "derived_generation_config",
@@ -78,9 +78,19 @@ class ModelSpec:
     derived_generation_config: str | None = None
     """generation_config.json as transformers derives it from the model config, for checkpoints without one
     (None for a model that does not generate)."""
-    also_loaded_transposed: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Tensors transformers also loads with two axes swapped, and that shape: a checkpoint may hold them so
-    (Qwen3-VL-MoE's published checkpoints, which vLLM reads, hold their experts input-major)."""
+    transposed_on_disk: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Tensors the model's own checkpoints hold with two axes swapped from its in-memory layout, and those axes:
+    transformers transposes them on load when they come so (Qwen3-VL-MoE's experts, input-major on disk, as vLLM
+    reads them)."""
+
+    def shape_on_disk(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """`shape` (in memory) as the model's checkpoints hold the tensor."""
+        if name not in self.transposed_on_disk:
+            return shape
+        first, second = self.transposed_on_disk[name]
+        swapped = list(shape)
+        swapped[first], swapped[second] = shape[second], shape[first]
+        return tuple(swapped)
 
 
 def load_model_spec(
@@ -115,7 +125,7 @@ def load_model_spec(
         saved_views={
             name: SavedView(source, tuple(stride), offset) for name, (source, stride, offset) in fields["saved_views"].items()
         },
-        also_loaded_transposed={name: tuple(shape) for name, shape in fields["also_loaded_transposed"].items()},
+        transposed_on_disk={name: tuple(axes) for name, axes in fields["transposed_on_disk"].items()},
         tied=fields["tied"],
         is_value_model=fields["is_value_model"],
         derived_generation_config=fields["derived_generation_config"],
@@ -153,7 +163,7 @@ def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: b
         "expected_shapes": expected,
         "saved_shapes": saved_shapes or expected,
         "saved_views": _saved_views(model, state, saved_shapes) if saved_shapes else {},
-        "also_loaded_transposed": _also_loaded_transposed(model, state),
+        "transposed_on_disk": _transposed_on_disk(model, state),
         "tied": tied,
         "is_value_model": architecture.endswith(VALUE_MODEL_SUFFIX),
         "derived_generation_config": _derived_generation_config(config) if model.can_generate() else None,
@@ -253,9 +263,9 @@ def _saved_shapes(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dic
     return {name: list(tensor.shape) for name, tensor in saved.items()}
 
 
-def _also_loaded_transposed(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+def _transposed_on_disk(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     """The tensors that transformers' own conversion transposes on load when their shape is not the model's
-    (`Transpose(check_dims=True)`), with that other shape (empty without such a conversion)."""
+    (`Transpose(check_dims=True)`), with its two axes (empty without such a conversion)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import Transpose, WeightConverter
@@ -270,14 +280,12 @@ def _also_loaded_transposed(model: torch.nn.Module, state: dict[str, torch.Tenso
         if isinstance(conversion.operations[0], Transpose) and conversion.operations[0].check_dims
         for pattern in conversion.target_patterns
     ]
-    also = {}
-    for name, tensor in state.items():
-        for pattern, transpose in transposes:
-            if re.search(pattern, name):
-                shape = list(tensor.shape)
-                shape[transpose.dim0], shape[transpose.dim1] = shape[transpose.dim1], shape[transpose.dim0]
-                also[name] = shape
-    return also
+    return {
+        name: [transpose.dim0, transpose.dim1]
+        for name in state
+        for pattern, transpose in transposes
+        if re.search(pattern, name)
+    }
 
 
 def _saved_views(

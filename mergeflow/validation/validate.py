@@ -86,9 +86,15 @@ def validate_model_dir(
         return ValidationReport(
             name, str(reference_dir) if reference_dir else None, tuple(problems), largest_differences=quantized, **counts
         )
-    tied = load_model_spec(Path(model_dir)).tied
+    spec = load_model_spec(Path(model_dir))
     report = compare_to_reference(
-        SafetensorsFolder(model_dir), reference_dir, model_dir=name, tied=tied, atol=atol, rtol=rtol
+        SafetensorsFolder(model_dir),
+        reference_dir,
+        model_dir=name,
+        tied=spec.tied,
+        transposed=spec.transposed_on_disk,
+        atol=atol,
+        rtol=rtol,
     )
     logits = compare_logits(Path(model_dir), Path(reference_dir)) if check_logits and report.passed else None
     return dataclasses.replace(report, logits=logits, **counts)
@@ -100,11 +106,13 @@ def compare_to_reference(
     *,
     model_dir: str,
     tied: dict[str, str],
+    transposed: dict[str, tuple[int, int]] | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> ValidationReport:
-    """Compare a tensor source with the reference folder: key sets, shapes, dtypes, then values, streamed."""
+    """Compare a tensor source with the reference folder: key sets, shapes, dtypes, then values, streamed. A tensor
+    named in `transposed` (a model's `transposed_on_disk`) may be held in either layout by either side."""
     reference = open_model_folder(Path(reference_dir))
     scales = {name.removesuffix(fp8.SCALE_SUFFIX): name for name in candidate.names() if name.endswith(fp8.SCALE_SUFFIX)}
     compared = [name for name in candidate.names() if name not in scales.values()]
@@ -120,6 +128,9 @@ def compare_to_reference(
     casts = set()
     for name in [n for n in compared if n in reference_names]:
         mine, theirs = candidate.info(name), reference.info(name)
+        axes = _swapped_axes(mine.shape, theirs.shape, (transposed or {}).get(name))
+        if axes is not None:
+            theirs = dataclasses.replace(theirs, shape=mine.shape)
         if name in scales and mine.shape == theirs.shape:
             difference = _compare_quantized(candidate, reference, name, scales[name], mine.shape, chunk_bytes)
             differences.append(difference)
@@ -137,7 +148,7 @@ def compare_to_reference(
         else:
             if mine.dtype != theirs.dtype:
                 casts.add(f"{dtype_name(theirs.dtype)} -> {dtype_name(mine.dtype)}")
-            difference = _compare_values(candidate, reference, name, mine, atol, rtol, chunk_bytes)
+            difference = _compare_values(candidate, reference, name, mine, atol, rtol, chunk_bytes, axes)
             differences.append(difference)
             if difference.mismatched:
                 problems.append(
@@ -180,12 +191,34 @@ def _comparable_names(candidate: list[str], reference: list[str], tied: dict[str
     return candidate_set, reference_set
 
 
+def _swapped_axes(
+    mine: tuple[int, ...], theirs: tuple[int, ...], axes: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    """`axes`, when the two shapes differ by exactly their swap (and the rows compared stay the same rows)."""
+    if axes is None or mine == theirs or 0 in axes:
+        return None
+    swapped = list(theirs)
+    swapped[axes[0]], swapped[axes[1]] = theirs[axes[1]], theirs[axes[0]]
+    return axes if tuple(swapped) == tuple(mine) else None
+
+
 def _compare_values(
-    candidate, reference, name: str, info: TensorInfo, atol: float, rtol: float, chunk_bytes: int
+    candidate,
+    reference,
+    name: str,
+    info: TensorInfo,
+    atol: float,
+    rtol: float,
+    chunk_bytes: int,
+    transposed_axes: tuple[int, int] | None = None,
 ) -> TensorDifference:
+    """Compare one tensor a band of rows at a time (the reference's transposed on `transposed_axes`)."""
     max_abs_diff, mismatched = 0.0, 0
     for start, stop in row_ranges(info.shape, info.dtype.itemsize, chunk_bytes):
-        mine, theirs = candidate.rows(name, start, stop), reference.rows(name, start, stop).to(info.dtype)
+        theirs = reference.rows(name, start, stop)
+        if transposed_axes is not None:
+            theirs = theirs.transpose(*transposed_axes)
+        mine, theirs = candidate.rows(name, start, stop), theirs.to(info.dtype)
         if atol == 0 and rtol == 0:
             different = _bits(mine) != _bits(theirs)
         else:
