@@ -20,6 +20,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mergeflow.testing.megatron_vision import vision_tower_shape
+
 QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 TE_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 """The names Transformer Engine's fused norm+linear layers (which Megatron-Bridge builds) give the norms."""
@@ -126,13 +128,7 @@ class StackedMergers(torch.nn.ModuleList):
 def build_qwen3_vl_model(config, language_model: MegatronModule, language_fields: dict) -> Qwen3VLStandIn:
     """The stand-in for Megatron-Bridge's model: `language_model` beside a vision tower sized by the HF config."""
     vision = config.vision_config
-    vision_fields = language_fields | {
-        "num_layers": vision.depth,
-        "hidden_size": vision.hidden_size,
-        "num_attention_heads": vision.num_heads,
-        "num_query_groups": vision.num_heads,
-        "kv_channels": vision.hidden_size // vision.num_heads,
-        "ffn_hidden_size": vision.intermediate_size,
+    vision_fields = language_fields | vision_tower_shape(vision) | {
         "gated_linear_unit": False,
         "activation_func": F.gelu,
         "normalization": "LayerNorm",

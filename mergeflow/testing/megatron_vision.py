@@ -38,13 +38,8 @@ def build_vision_language_model(config, spec: dict, language_fields: dict):
     language = Qwen2VLTransformerConfig(**language_fields, mrope_section=text.rope_parameters["mrope_section"])
     vision_config = Qwen2VLTransformerConfig(
         **language_fields
+        | vision_tower_shape(vision)
         | {
-            "num_layers": vision.depth,
-            "hidden_size": vision.hidden_size,
-            "num_attention_heads": vision.num_heads,
-            "num_query_groups": vision.num_heads,
-            "kv_channels": vision.hidden_size // vision.num_heads,
-            "ffn_hidden_size": vision.intermediate_size,
             "layernorm_epsilon": 1e-6,
             "add_bias_linear": True,
             "add_qkv_bias": True,
@@ -91,6 +86,18 @@ def build_vision_language_model(config, spec: dict, language_fields: dict):
         image_token_id=config.image_token_id,
         video_token_id=config.video_token_id,
     )
+
+
+def vision_tower_shape(vision) -> dict:
+    """TransformerConfig fields for a vision tower's blocks, sized by the HF vision config (heads without groups)."""
+    return {
+        "num_layers": vision.depth,
+        "hidden_size": vision.hidden_size,
+        "num_attention_heads": vision.num_heads,
+        "num_query_groups": vision.num_heads,
+        "kv_channels": vision.hidden_size // vision.num_heads,
+        "ffn_hidden_size": vision.intermediate_size,
+    }
 
 
 def mbridge_values(state: dict[str, torch.Tensor], config) -> Callable[[str], torch.Tensor]:
