@@ -4,8 +4,9 @@ tensors) under Hugging Face names, without megatron-core or a GPU, and the reade
 Layouts verl has written: `actor/model/dist_ckpt/` + `actor/model/huggingface/` (current) and
 `actor/dist_ckpt/` + `actor/huggingface/` (2025). Layers are stacked along a leading axis or stored one
 key per layer; MoE experts likewise; a vision-language model's two towers sit under key prefixes of their
-own (`mergeflow.formats.megatron.names` maps them all). A key the tables do not know is an error that names
-it, never a dropped tensor.
+own (`mergeflow.formats.megatron.names` maps them all); a tensor megatron-core saves in pieces (several keys) is
+joined before it is cut. LoRA adapters saved beside the layers they adapt are named as the PEFT model that holds
+them names them. A key the tables do not know is an error that names it, never a dropped tensor.
 """
 
 import dataclasses
