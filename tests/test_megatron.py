@@ -17,6 +17,7 @@ import mergeflow.formats.megatron.dcp
 import mergeflow.formats.megatron.names
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.formats import find_checkpoint
 from mergeflow.formats.megatron.contents import CONTENTS_FILE
 from mergeflow.formats.megatron.index import index_megatron
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
@@ -225,6 +226,13 @@ def test_a_directory_without_dist_ckpt_is_an_error_that_says_which_to_pass(megat
 
     with pytest.raises(CheckpointError, match=r"not a Megatron checkpoint: .*: pass .*actor"):
         find_megatron_checkpoint(step_dir)
+
+
+def test_a_megatron_checkpoint_merged_as_fsdp_says_which_backend_to_pass(megatron_fixtures):
+    with pytest.raises(CheckpointError, match="not an FSDP checkpoint") as refused:
+        find_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir, "fsdp")
+
+    assert refused.value.hint == "it is a megatron checkpoint: pass --backend megatron"
 
 
 def test_metadata_that_asks_for_code_is_refused_without_running_it(tmp_path):

@@ -4,7 +4,7 @@ and reads its tensors behind the protocols of `formats.base`."""
 from collections.abc import Callable
 from pathlib import Path
 
-from mergeflow.errors import OptionError
+from mergeflow.errors import CheckpointError, OptionError
 from mergeflow.formats.base import Layout
 from mergeflow.formats.fsdp.layout import find_rank_files
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
@@ -31,4 +31,23 @@ def find_checkpoint(local_dir: str | Path, backend: str) -> Layout:
         OptionError: an unknown backend.
     """
     check_backend(backend)
-    return FINDERS[backend](Path(local_dir))
+    try:
+        return FINDERS[backend](Path(local_dir))
+    except CheckpointError as error:
+        other = _backend_that_finds(Path(local_dir), exclude=backend)
+        if other is None or error.hint is not None:
+            raise
+        raise CheckpointError(str(error), hint=f"it is a {other} checkpoint: pass --backend {other}") from error
+
+
+def _backend_that_finds(local_dir: Path, *, exclude: str) -> str | None:
+    """Another backend whose layout the directory is in, if any."""
+    for backend, finder in FINDERS.items():
+        if backend == exclude:
+            continue
+        try:
+            finder(local_dir)
+        except CheckpointError:
+            continue
+        return backend
+    return None
