@@ -247,6 +247,7 @@ class MergeJob:
             shown_as=self.target_dir,
             fp8_errors=saved.fp8_errors,
             fp8_outside=saved.fp8_outside,
+            mtp_dropped=self.options.drop_mtp,
         )
 
     def compare(self, test_hf_dir: str, *, atol: float = 0.0, rtol: float = 0.0) -> "ValidationReport":
@@ -256,7 +257,9 @@ class MergeJob:
             OptionError: a LoRA-only checkpoint, which holds no base model to compare.
         """
         from mergeflow.errors import OptionError
+        from mergeflow.planning import mtp_layer_names
         from mergeflow.validation.merged_view import MergedCheckpoint
+        from mergeflow.validation.model_folder import open_model_folder
         from mergeflow.validation.validate import compare_to_reference
 
         plan, _ = self.merge_plan()
@@ -269,6 +272,9 @@ class MergeJob:
                 model_dir=self.layout().checkpoint_dir,
                 tied=self.spec().tied,
                 transposed=self.spec().transposed_on_disk,
+                left_out=mtp_layer_names(open_model_folder(Path(test_hf_dir)).names(), self.spec())
+                if self.options.drop_mtp
+                else (),
                 atol=atol,
                 rtol=rtol,
             )

@@ -80,6 +80,12 @@ def test_dropping_mtp_writes_no_mtp_tensor(merged_without_mtp):
     assert [name for name in load_weights(merged_without_mtp) if name.startswith(MTP_LAYER)] == []
 
 
+def test_a_model_without_mtp_validates_against_a_reference_with_it(megatron_fixtures, merged_without_mtp):
+    report = validate_model_dir(merged_without_mtp, reference_dir=megatron_fixtures[FIXTURE].reference_dir, mtp_dropped=True)
+
+    assert report.passed, report.failure_message()
+
+
 def test_the_model_without_mtp_loads_in_transformers_with_no_unexpected_or_missing_keys(merged_without_mtp):
     _, info = transformers.DeepseekV3ForCausalLM.from_pretrained(merged_without_mtp, output_loading_info=True)
 

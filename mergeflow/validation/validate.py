@@ -9,6 +9,7 @@ model's dtype, because kernels may differ with memory alignment in the last bits
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from mergeflow.errors import quoted
 from mergeflow.lora import ADAPTER_SUBDIR
 from mergeflow.output import fp8
 from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
+from mergeflow.planning import mtp_layer_names
 from mergeflow.spec.config_files import CONFIG_FILE
 from mergeflow.spec.model_spec import load_model_spec
 from mergeflow.validation.model_folder import (
@@ -55,6 +57,7 @@ def validate_model_dir(
     shown_as: str | None = None,
     fp8_errors: dict[str, float] | None = None,
     fp8_outside: tuple[str, ...] = (),
+    mtp_dropped: bool = False,
 ) -> ValidationReport:
     """Check a merged folder's completeness and, given a reference, its tensors (and optionally logits).
 
@@ -62,7 +65,8 @@ def validate_model_dir(
     merged dtype, as the merge cast the trained tensors; the report says so; FP8 weights are dequantized and
     compared within FP8's rounding bound. `fp8_errors` and `fp8_outside` are the rounding errors the merge
     measured against its source as it quantized. `shown_as` names the folder in the report (a staging
-    directory is validated before it becomes the target).
+    directory is validated before it becomes the target). With `mtp_dropped` (a merge with `--drop-mtp`), the
+    reference's multi-token-prediction layers are not looked for.
     """
     problems = completeness_problems(model_dir)
     name = shown_as or str(model_dir)
@@ -93,6 +97,7 @@ def validate_model_dir(
         model_dir=name,
         tied=spec.tied,
         transposed=spec.transposed_on_disk,
+        left_out=mtp_layer_names(open_model_folder(Path(reference_dir)).names(), spec) if mtp_dropped else (),
         atol=atol,
         rtol=rtol,
     )
@@ -107,16 +112,19 @@ def compare_to_reference(
     model_dir: str,
     tied: dict[str, str],
     transposed: dict[str, tuple[int, int]] | None = None,
+    left_out: Iterable[str] = (),
     atol: float = 0.0,
     rtol: float = 0.0,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> ValidationReport:
     """Compare a tensor source with the reference folder: key sets, shapes, dtypes, then values, streamed. A tensor
-    named in `transposed` (a model's `transposed_on_disk`) may be held in either layout by either side."""
+    named in `transposed` (a model's `transposed_on_disk`) may be held in either layout by either side; the
+    reference's tensors in `left_out` (what the merge was asked to leave out) are not looked for."""
     reference = open_model_folder(Path(reference_dir))
     scales = {name.removesuffix(fp8.SCALE_SUFFIX): name for name in candidate.names() if name.endswith(fp8.SCALE_SUFFIX)}
     compared = [name for name in candidate.names() if name not in scales.values()]
     candidate_names, reference_names = _comparable_names(compared, reference.names(), tied)
+    reference_names -= set(left_out)
     problems = []
     missing = sorted(reference_names - candidate_names)
     extra = sorted(candidate_names - reference_names)
