@@ -29,6 +29,7 @@ class ServeOptions:
     output_dir: str
     dtype: str = DEFAULT_DTYPE
     quantize: str | None = None
+    drop_mtp: bool = False
     hf_upload_path: str | None = None
     private: bool = False
     hf_token_secret: str | None = None
@@ -63,7 +64,9 @@ def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
     on_checkpoint = merge_flow.to_deployment(
         name=MERGE_DEPLOYMENT,
         triggers=[checkpoint_trigger(options)],
-        parameters={"dtype": options.dtype, "quantize": options.quantize, "progress": False, **upload},
+        parameters={
+            "dtype": options.dtype, "quantize": options.quantize, "drop_mtp": options.drop_mtp, "progress": False, **upload
+        },
         concurrency_limit=limit,
         description="Merge a verl checkpoint when the watcher announces it.",
     )
@@ -72,7 +75,7 @@ def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
         name=SWEEP_DEPLOYMENT,
         parameters={
             "run_dirs": options.run_dirs, "output_dir": options.output_dir, "dtype": options.dtype,
-            "quantize": options.quantize, **upload,
+            "quantize": options.quantize, "drop_mtp": options.drop_mtp, **upload,
         },
         concurrency_limit=1,
         description="Merge every complete checkpoint not merged yet.",

@@ -129,6 +129,16 @@ def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_drop_mtp_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--drop-mtp",
+        "--drop_mtp",
+        dest="drop_mtp",
+        action="store_true",
+        help="leave out multi-token-prediction layers (kept by default, for vLLM's MTP speculative decoding)",
+    )
+
+
 def _add_task_runner_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task-runner",
@@ -144,6 +154,7 @@ def _add_automation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", dest="output_dir", required=True, help="merged models go to OUTPUT/<run>/global_step_N/<role>")
     _add_dtype_option(parser, DEFAULT_DTYPE, "dtype of floating tensors in the output (default: bf16, as verl)")
     _add_quantize_option(parser)
+    _add_drop_mtp_option(parser)
     parser.add_argument("--upload", dest="hf_upload_path", default=None, metavar="USER/NAME", help="upload each merged model")
     parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
     parser.add_argument(
@@ -183,13 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a non-empty target (an earlier merge's output or an ordinary folder, never training files)",
     )
     _add_quantize_option(merge)
-    merge.add_argument(
-        "--drop-mtp",
-        "--drop_mtp",
-        dest="drop_mtp",
-        action="store_true",
-        help="leave out multi-token-prediction layers (kept by default, for vLLM's MTP speculative decoding)",
-    )
+    _add_drop_mtp_option(merge)
     merge.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     merge.add_argument(
         "--no-cache",
@@ -452,6 +457,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 output_dir=str(Path(args.output_dir).absolute()),
                 dtype=args.dtype,
                 quantize=args.quantize,
+                drop_mtp=args.drop_mtp,
                 hf_upload_path=args.hf_upload_path,
                 private=args.private,
                 hf_token_secret=args.hf_token_secret,
@@ -473,6 +479,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             output_dir=str(Path(args.output_dir).absolute()),
             dtype=args.dtype,
             quantize=args.quantize,
+            drop_mtp=args.drop_mtp,
             hf_upload_path=args.hf_upload_path,
             private=args.private,
             hf_token_secret=args.hf_token_secret,

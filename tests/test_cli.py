@@ -183,3 +183,16 @@ def test_demo_merges_a_fresh_fsdp2_checkpoint_and_matches_its_logits(tmp_path, c
     assert main(["demo", "--workdir", str(tmp_path)]) == 0
     assert "logits of the merged model equal the original's (bf16): True" in capsys.readouterr().out
     assert (tmp_path / "merged" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("argv", [["serve", "--watch", "R"], ["sweep", "R"]], ids=["serve", "sweep"])
+def test_automated_merges_take_drop_mtp(argv):
+    assert build_parser().parse_args([*argv, "--output", "O", "--drop-mtp"]).drop_mtp
+
+
+def test_both_served_deployments_pass_drop_mtp_to_their_merges():
+    from mergeflow.deployments.serve import ServeOptions, build_deployments
+
+    deployments = build_deployments(ServeOptions(run_dirs=["/runs/a"], output_dir="/models", drop_mtp=True))
+
+    assert [deployment.parameters["drop_mtp"] for deployment in deployments] == [True, True]
