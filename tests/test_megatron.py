@@ -1,4 +1,9 @@
-"""Megatron `torch_dist` checkpoints, written by real megatron-core, merge into the original HF model."""
+"""Megatron `torch_dist` checkpoints, written by real megatron-core, merge into the original HF model.
+
+Where no writer of a model's layout runs here, the fixture is derived from the writer's source and says so: Qwen3-VL
+and Qwen3-VL-MoE are Megatron-Bridge's module tree rebuilt from megatron-core's layers (Megatron-Bridge needs Python
+3.12), as is the Qwen3.5 vision tower (`mergeflow.testing.megatron_qwen3_vl`); their archives are still megatron-core's.
+"""
 
 import json
 import pickle
