@@ -18,7 +18,7 @@ from mergeflow.formats.base import StoredTensor, TensorIndex
 from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype, check_quantize
 from mergeflow.output import fp8
-from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, SavedView
+from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec, SavedView, swapped
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -188,10 +188,6 @@ def plan_adapter(index: TensorIndex, lora: LoraPlan, *, dtype: str = DEFAULT_DTY
     return AdapterPlan(weights=weights, config=lora.config)
 
 
-MTP_PREFIX = "mtp."
-"""Where Qwen3-Next's and Qwen3.5's checkpoints keep their multi-token-prediction layer."""
-
-
 def mtp_layer_names(names: Iterable[str], spec: ModelSpec) -> list[str]:
     """The multi-token-prediction layers' tensors: those under `mtp.` that the config does not declare (Qwen3-Next's,
     Qwen3.5's), and those of layers after the decoder's (DeepSeek-V3-style checkpoints keep them as
@@ -254,10 +250,7 @@ def _as_on_disk(
     on_disk = spec.shape_on_disk(name, shape)
     if name in folds or on_disk == shape or shape != spec.expected_shapes.get(name):
         return name, shape, None
-    first, second = spec.transposed_on_disk[name]
-    strides = list(_contiguous_strides(shape))
-    strides[first], strides[second] = strides[second], strides[first]
-    return name, on_disk, SavedView(name, tuple(strides), 0)
+    return name, on_disk, SavedView(name, swapped(_contiguous_strides(shape), spec.transposed_on_disk[name]), 0)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

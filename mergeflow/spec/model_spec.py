@@ -28,6 +28,8 @@ AUTO_CLASS_BY_SUFFIX = {
 }
 VALUE_MODEL_SUFFIX = "ForTokenClassification"
 DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+MTP_PREFIX = "mtp."
+"""Where Qwen3-Next's and Qwen3.5's checkpoints keep their multi-token-prediction layer."""
 """A tensor of decoder layer N, as causal LMs name them (its index is group 1)."""
 SPEC_FIELDS = (
     "architecture",
@@ -85,12 +87,15 @@ class ModelSpec:
 
     def shape_on_disk(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """`shape` (in memory) as the model's checkpoints hold the tensor."""
-        if name not in self.transposed_on_disk:
-            return shape
-        first, second = self.transposed_on_disk[name]
-        swapped = list(shape)
-        swapped[first], swapped[second] = shape[second], shape[first]
-        return tuple(swapped)
+        return swapped(shape, self.transposed_on_disk[name]) if name in self.transposed_on_disk else shape
+
+
+def swapped(values: tuple[int, ...], axes: tuple[int, int]) -> tuple[int, ...]:
+    """A shape's (or strides') values with the two axes exchanged."""
+    first, second = axes
+    exchanged = list(values)
+    exchanged[first], exchanged[second] = values[second], values[first]
+    return tuple(exchanged)
 
 
 def load_model_spec(

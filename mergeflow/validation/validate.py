@@ -9,7 +9,7 @@ model's dtype, because kernels may differ with memory alignment in the last bits
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from mergeflow.output import fp8
 from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
 from mergeflow.planning import mtp_layer_names
 from mergeflow.spec.config_files import CONFIG_FILE
-from mergeflow.spec.model_spec import load_model_spec
+from mergeflow.spec.model_spec import load_model_spec, swapped
 from mergeflow.validation.model_folder import (
     SafetensorsFolder,
     TensorInfo,
@@ -97,7 +97,7 @@ def validate_model_dir(
         model_dir=name,
         tied=spec.tied,
         transposed=spec.transposed_on_disk,
-        left_out=mtp_layer_names(open_model_folder(Path(reference_dir)).names(), spec) if mtp_dropped else (),
+        left_out=(lambda names: mtp_layer_names(names, spec)) if mtp_dropped else None,
         atol=atol,
         rtol=rtol,
     )
@@ -112,19 +112,21 @@ def compare_to_reference(
     model_dir: str,
     tied: dict[str, str],
     transposed: dict[str, tuple[int, int]] | None = None,
-    left_out: Iterable[str] = (),
+    left_out: Callable[[list[str]], Iterable[str]] | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> ValidationReport:
     """Compare a tensor source with the reference folder: key sets, shapes, dtypes, then values, streamed. A tensor
     named in `transposed` (a model's `transposed_on_disk`) may be held in either layout by either side; the
-    reference's tensors in `left_out` (what the merge was asked to leave out) are not looked for."""
+    reference's tensors that `left_out` picks from its names (what the merge was asked to leave out) are not looked
+    for."""
     reference = open_model_folder(Path(reference_dir))
     scales = {name.removesuffix(fp8.SCALE_SUFFIX): name for name in candidate.names() if name.endswith(fp8.SCALE_SUFFIX)}
     compared = [name for name in candidate.names() if name not in scales.values()]
     candidate_names, reference_names = _comparable_names(compared, reference.names(), tied)
-    reference_names -= set(left_out)
+    if left_out is not None:
+        reference_names -= set(left_out(reference.names()))
     problems = []
     missing = sorted(reference_names - candidate_names)
     extra = sorted(candidate_names - reference_names)
@@ -205,9 +207,7 @@ def _swapped_axes(
     """`axes`, when the two shapes differ by exactly their swap (and the rows compared stay the same rows)."""
     if axes is None or mine == theirs or 0 in axes:
         return None
-    swapped = list(theirs)
-    swapped[axes[0]], swapped[axes[1]] = theirs[axes[1]], theirs[axes[0]]
-    return axes if tuple(swapped) == tuple(mine) else None
+    return axes if swapped(theirs, axes) == tuple(mine) else None
 
 
 def _compare_values(

@@ -12,6 +12,7 @@ them names them. A key the tables do not know is an error that names it, never a
 import dataclasses
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from mergeflow.errors import CheckpointError, PlanError, quoted
 from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.formats.megatron.layout import MegatronLayout
 from mergeflow.formats.megatron.names import (
-    HF_MTP_PREFIX,
     MTP_SHARED,
     MTP_UNDER_ITS_OWN_NAMES,
     SUPPORTED_MODEL_TYPES,
@@ -38,7 +38,7 @@ from mergeflow.formats.megatron.names import (
     targets,
 )
 from mergeflow.lora import PEFT_PREFIX, lora_tensor_names
-from mergeflow.spec.model_spec import DECODER_LAYER, ModelSpec, load_config
+from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec, load_config
 
 ANY_DECODER_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 """A decoder layer's tensor, in a language model or in a vision-language model's language model."""
@@ -214,9 +214,9 @@ def _mtp_layers_under_their_own_names(tensors: dict[str, MegatronTensor], geomet
         layer = ANY_DECODER_LAYER.match(name)
         if layer is None or int(layer[1]) < geometry.num_layers:
             return name
-        return f"{HF_MTP_PREFIX}layers.{int(layer[1]) - geometry.num_layers}.{name[layer.end() :]}"
+        return f"{MTP_PREFIX}layers.{int(layer[1]) - geometry.num_layers}.{name[layer.end() :]}"
 
-    return {renamed(name): dataclasses.replace(tensor, name=renamed(name)) for name, tensor in tensors.items()}
+    return _renamed(tensors, renamed)
 
 
 def _mtp_shared_tensors(tensors: dict[str, MegatronTensor], geometry: Geometry) -> dict[str, MegatronTensor]:
@@ -246,7 +246,15 @@ def _as_peft_model(tensors: dict[str, MegatronTensor]) -> dict[str, MegatronTens
         module, _, parameter = name.rpartition(".")
         return PEFT_PREFIX + (f"{module}.base_layer.{parameter}" if module in adapted else name)
 
-    return {peft_name(name): dataclasses.replace(tensor, name=peft_name(name)) for name, tensor in tensors.items()}
+    return _renamed(tensors, peft_name)
+
+
+def _renamed(tensors: dict[str, MegatronTensor], name_of: Callable[[str], str]) -> dict[str, MegatronTensor]:
+    renamed = {}
+    for name, tensor in tensors.items():
+        new_name = name_of(name)
+        renamed[new_name] = dataclasses.replace(tensor, name=new_name)
+    return renamed
 
 
 def _tensor_parallel(stored: dict[str, StoredTensor]) -> int | None:

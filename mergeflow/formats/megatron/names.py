@@ -192,7 +192,6 @@ QWEN_MTP: dict[str, list[tuple[str, str]]] = {
 (`mtp.fc`, its norms), and its decoder layer as `mtp.layers.{k}.*` (`MTP_UNDER_ITS_OWN_NAMES`), named within as
 the decoder's layers are. It holds no copies of the embedding or the head."""
 MTP_UNDER_ITS_OWN_NAMES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
-HF_MTP_PREFIX = "mtp."
 MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 """An MTP layer's copies (by name in the layer) of the model's embedding and head, which megatron-core shares."""
 
