@@ -7,15 +7,17 @@ the whole story), and a merge's last line is its verdict.
 
 import argparse
 import contextlib
+import difflib
 import json
 import logging
 import os
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
-from mergeflow import preflight
+from mergeflow import __version__, preflight
 from mergeflow.errors import MergeflowError, OptionError, UploadError, ValidationError
 from mergeflow.formats import BACKENDS
 from mergeflow.options import (
@@ -40,6 +42,45 @@ EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UPLOAD_FAILED = 3
 GB = 1e9
+
+
+DESCRIPTION = """Merge verl's distributed checkpoints (FSDP rank files, Megatron torch_dist archives) into Hugging
+Face model folders, as Prefect flows you can watch in the Prefect UI."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--o` is an error, never `--overwrite`), whose mistakes are one line
+    naming the flag or value, with the closest valid flag, and exit 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._refuse_unknown_flags(args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        print(f"mergeflow: error: {message}", file=sys.stderr)
+        print(f"mergeflow: hint: `{self.prog} --help` lists the flags", file=sys.stderr)
+        self.exit(EXIT_BAD_INPUT)
+
+    def _refuse_unknown_flags(self, args: list[str]) -> None:
+        """Name the first `--flag` this parser does not know, before argparse asks for required arguments;
+        a parser with subcommands checks only the flags before the subcommand (which checks its own)."""
+        for token in args:
+            if token == "--" or (self._subparsers is not None and not token.startswith("-")):
+                return
+            flag = token.split("=", 1)[0]
+            if flag.startswith("--") and flag not in self._option_string_actions:
+                self.error(unknown_flag_message(flag, self._option_string_actions))
+
+
+def unknown_flag_message(flag: str, known: "Iterable[str]") -> str:
+    closest = difflib.get_close_matches(flag, [name for name in known if name.startswith("--")], n=1, cutoff=0.6)
+    return f"unknown flag {flag}" + (f": did you mean {closest[0]}?" if closest else "")
 
 
 def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
@@ -166,11 +207,32 @@ def _add_automation_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mergeflow", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+EXAMPLES = {
+    "merge": "mergeflow merge --backend fsdp --local_dir ckpts/run-a/global_step_100/actor --target_dir models/step-100",
+    "test": "mergeflow test --local_dir ckpts/run-a/global_step_100/actor --test_hf_dir models/original",
+    "validate": "mergeflow validate models/step-100 --test_hf_dir models/original",
+    "inspect": "mergeflow inspect ckpts/run-a/global_step_100/actor",
+    "watch": "mergeflow watch ckpts/run-a ckpts/run-b",
+    "serve": "mergeflow serve --watch ckpts/run-a --watch ckpts/run-b --output models",
+    "sweep": "mergeflow sweep ckpts/run-a --output models",
+    "server": "mergeflow server --port 4200   (stop it with Ctrl-C or `kill PID`)",
+    "demo": "mergeflow demo --workdir mergeflow-demo",
+}
+"""One example per subcommand, shown at the end of its --help."""
 
-    merge = commands.add_parser("merge", help="merge a checkpoint into a Hugging Face model folder")
+
+def _command(commands, name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
+    """A subcommand whose --help starts with its one-line summary and ends with an example."""
+    description = summary[0].upper() + summary[1:] + "." + (f"\n\n{details}" if details else "")
+    return commands.add_parser(name, help=summary, description=description, epilog=f"example:\n  {EXAMPLES[name]}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="mergeflow", description=DESCRIPTION, epilog="`mergeflow COMMAND --help` shows a command's flags and an example.")
+    parser.add_argument("--version", action="version", version=f"mergeflow {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    merge = _command(commands, "merge", "merge a checkpoint into a Hugging Face model folder")
     _add_checkpoint_options(merge)
     _add_lora_options(merge)
     merge.add_argument(
@@ -195,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_quantize_option(merge)
     _add_drop_mtp_option(merge)
-    merge.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    merge.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars (they are shown only on a terminal)")
     merge.add_argument(
         "--no-cache",
         dest="refresh_cache",
@@ -239,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --test_hf_dir: also compare logits (on CPU, when both models fit in RAM)",
     )
 
-    test = commands.add_parser("test", help="compare a checkpoint's merged tensors with a reference model")
+    test = _command(commands, "test", "compare a checkpoint's merged tensors with a reference model (nothing is written)")
     _add_checkpoint_options(test)
     _add_lora_options(test)
     test.add_argument(
@@ -248,9 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_option(test, None, "dtype the merged tensors are compared in (default: the reference's)")
     _add_tolerance_options(test)
 
-    validate = commands.add_parser(
-        "validate", help="check a merged model folder, optionally against a reference"
-    )
+    validate = _command(commands, "validate", "check a merged model folder, optionally against a reference")
     validate.add_argument("target_dir", help="the merged model folder")
     validate.add_argument(
         "--test_hf_dir",
@@ -268,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_tolerance_options(validate)
 
-    inspect = commands.add_parser("inspect", help="describe a checkpoint without merging it")
+    inspect = _command(commands, "inspect", "describe a checkpoint without merging it")
     inspect.add_argument("local_dir", help="the checkpoint: .../global_step_N/actor (or critic)")
     inspect.add_argument(
         "--backend", choices=BACKENDS, default="fsdp", help="checkpoint format: fsdp rank files or a megatron torch_dist archive"
@@ -288,30 +348,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--json", action="store_true", help="print JSON")
 
-    watch = commands.add_parser("watch", help="announce each complete checkpoint of verl runs as a Prefect event")
+    watch = _command(
+        commands,
+        "watch",
+        "announce each complete checkpoint of verl runs as a Prefect event",
+        "Needs a Prefect server that stays up (`mergeflow server`, or PREFECT_API_URL): deployments triggered by\n"
+        "the events run there. `mergeflow serve` watches and merges in one command.",
+    )
     watch.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="verl run directories (holding global_step_N/)")
 
-    serve = commands.add_parser(
-        "serve", help="serve the merge-on-checkpoint and sweep deployments, with a watcher per run directory"
+    serve = _command(
+        commands,
+        "serve",
+        "merge each checkpoint of verl runs as it is saved, and sweep on a schedule",
+        "Serves the merge-on-checkpoint and sweep deployments with a watcher per run directory. Needs a Prefect\n"
+        "server that stays up (`mergeflow server`, or PREFECT_API_URL). Stop it with Ctrl-C or `kill PID`.",
     )
     serve.add_argument(
-        "--watch", dest="run_dirs", action="append", required=True, metavar="RUN_DIR", help="a verl run directory to watch"
+        "--watch", dest="run_dirs", action="append", required=True, metavar="RUN_DIR", help="a verl run directory to watch (holding global_step_N/); repeat --watch for several runs"
     )
     _add_automation_options(serve)
     serve.add_argument("--schedule", default=None, metavar="CRON", help="cron schedule of the sweep (default: hourly)")
     serve.add_argument("--concurrency", type=int, default=1, help="merges at once (default 1)")
     _add_task_runner_option(serve)
 
-    sweep = commands.add_parser("sweep", help="merge every complete checkpoint of verl runs not merged yet")
+    sweep = _command(commands, "sweep", "merge every complete checkpoint of verl runs not merged yet")
     sweep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="verl run directories (holding global_step_N/)")
     _add_automation_options(sweep)
 
-    server = commands.add_parser(
-        "server", help="keep a Prefect server (and its UI) up on 127.0.0.1; mergeflow commands then use it"
+    server = _command(
+        commands,
+        "server",
+        "keep a Prefect server (and its UI) up on 127.0.0.1; mergeflow commands then use it",
+        "It runs until stopped: Ctrl-C, or `kill PID` (SIGTERM, SIGINT and SIGHUP stop it and its Prefect server).",
     )
     server.add_argument("--port", type=int, default=4200, help="its port (default 4200)")
 
-    demo = commands.add_parser("demo", help="write a tiny real FSDP2 checkpoint and merge it")
+    demo = _command(commands, "demo", "write a tiny real FSDP2 checkpoint and merge it")
     demo.add_argument(
         "--workdir", default=None, help="where to put the demo's checkpoint and merged model (default: a new temporary directory)"
     )

@@ -101,7 +101,7 @@ def write_weights(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> list[ShardWritten]:
     """Stream every planned shard file from the checkpoint into `output_dir`, one after another."""
-    with tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar:
+    with tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=None if progress else True) as bar:
         return [
             write_shard(plan, index, output_dir, filename, chunk_bytes=chunk_bytes, on_bytes=bar.update)
             for filename in plan.shard_to_names
