@@ -185,7 +185,9 @@ MEGATRON_FIXTURE_SPECS = [
     MegatronFixtureSpec("megatron-glm4moe-tp2-ep2-mtp", model="glm4_moe", tp=2, ep=2, mtp=1),
     MegatronFixtureSpec("megatron-gptoss-tp2-ep2", model="gpt_oss", tp=2, ep=2),
     MegatronFixtureSpec("megatron-gptoss-ep2-singleton-shards", model="gpt_oss", ep=2, singleton_shards=True),
-    MegatronFixtureSpec("megatron-qwen25vl-tp2", model="qwen2_5_vl", tp=2),  # mbridge's model, as verl trains it
+    MegatronFixtureSpec("megatron-qwen25vl-tp1", model="qwen2_5_vl"),  # mbridge's model, filled by its own loader
+    MegatronFixtureSpec("megatron-qwen25vl-tp2", model="qwen2_5_vl", tp=2),
+    MegatronFixtureSpec("megatron-qwen25vl-tp4", model="qwen2_5_vl", tp=4),
     MegatronFixtureSpec("megatron-qwen3vl-tp2", model="qwen3_vl", tp=2),  # Megatron-Bridge's layout, from its source
     MegatronFixtureSpec("megatron-qwen3vlmoe-tp2-ep2", model="qwen3_vl_moe", tp=2, ep=2),
     MegatronFixtureSpec("megatron-qwen35-tp2", model="qwen3_5", tp=2),  # megatron-core's gated delta net

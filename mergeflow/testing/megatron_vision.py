@@ -1,20 +1,20 @@
-"""The vision-language part of the Megatron fixture writer: the model verl trains Qwen2.5-VL with (mbridge's
-`Qwen2_5VLModel`, a megatron-core GPTModel beside a vision tower), filled by mbridge's own Hugging Face →
-megatron-core conversion, so that the archive's layout is mbridge's and not this project's reading of it.
+"""The vision-language part of the Megatron fixture writer: the model verl trains Qwen2.5-VL with on its mbridge path
+(mbridge's `Qwen2_5VLModel`, a megatron-core GPTModel beside a vision tower), filled by mbridge's own `load_weights`
+(its Hugging Face → megatron-core conversion and its own split across TP ranks) and exported by its own
+`export_weights`, so that both the archive's layout and the weights verl would serve are mbridge's and not this
+project's reading of them.
 
 mbridge builds its models from Transformer Engine layers, which need CUDA: here they are megatron-core's local
-layers, with the keys Transformer Engine's would save (`linear_qkv.layer_norm_weight`).
+layers, with the keys Transformer Engine's would save (`linear_qkv.layer_norm_weight`), under which mbridge's name
+mapping looks them up.
 """
 
 import copy
 import functools
 import re
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-from mergeflow.formats.megatron.names import LANGUAGE_MODEL, VISION_MODEL
 
 VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
 STACKED_LAYERS = re.compile(r"^((?:language|vision)_model\.decoder\.layers\.)(?!\d)")
@@ -100,28 +100,37 @@ def vision_tower_shape(vision) -> dict:
     }
 
 
-def mbridge_values(state: dict[str, torch.Tensor], config) -> Callable[[str], torch.Tensor]:
-    """The global value of any megatron-core key, as mbridge's `Qwen2_5VLBridge` converts the HF weights."""
+def mbridge_bridge(config, language_config):
+    """mbridge's `Qwen2_5VLBridge` for the model being written, whose own `load_weights` fills it from the HF weights
+    (its HF → megatron-core conversion and its own split across TP ranks) and whose own `export_weights` gives the HF
+    weights back (what verl sends its rollout engine, and saves as the HF model, on its mbridge path).
+
+    Set up as its `__init__` would be, without building mbridge's own (GPU) config: the HF config, the language
+    model's TransformerConfig (what its `_build_config` gives, and what it consults for every `linear_fc1`), and the
+    parallel state. Its key names are looked up under Transformer Engine's names for the local layers' norms."""
+    from mbridge.core.parallel_states import ParallelStates
     from mbridge.models.qwen2_5_vl import Qwen2_5VLBridge
 
-    bridge = Qwen2_5VLBridge.__new__(Qwen2_5VLBridge)  # its __init__ builds mbridge's own (GPU) model config
+    class LocalLayersBridge(Qwen2_5VLBridge):
+        def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+            return super()._weight_name_mapping_mcore_to_hf(te_key(mcore_weights_name))
+
+        def _weight_to_hf_format(self, mcore_weights_name: str, mcore_weights):
+            return super()._weight_to_hf_format(te_key(mcore_weights_name), mcore_weights)
+
+    bridge = LocalLayersBridge.__new__(LocalLayersBridge)
     bridge.hf_config = _text_settings_on_top(config)
-    num_layers = {LANGUAGE_MODEL: config.text_config.num_hidden_layers, VISION_MODEL: config.vision_config.depth}
+    bridge.config = language_config
+    bridge.mpu = ParallelStates.get_parallel_state()
+    bridge.extra_args = {}
+    return bridge
 
-    def one(key: str) -> torch.Tensor:
-        for local, te in TE_NORM_KEYS.items():
-            key = key.replace(local, te)
-        hf_names = bridge._weight_name_mapping_mcore_to_hf(key)
-        return bridge._weight_to_mcore_format(key, [state[name] for name in hf_names])
 
-    def value(key: str) -> torch.Tensor:
-        stacked = STACKED_LAYERS.match(key)
-        if stacked is None:
-            return one(key)
-        layers = range(num_layers[key[: key.index(".") + 1]])
-        return torch.stack([one(f"{stacked[1]}{i}.{key[stacked.end() :]}") for i in layers])
-
-    return value
+def te_key(key: str) -> str:
+    """A local layer's norm key under the name Transformer Engine's fused layer gives it, which mbridge maps."""
+    for local, te in TE_NORM_KEYS.items():
+        key = key.replace(local, te)
+    return key
 
 
 def _text_settings_on_top(config):

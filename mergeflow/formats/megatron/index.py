@@ -23,8 +23,10 @@ from mergeflow.errors import CheckpointError, PlanError, quoted
 from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.formats.megatron.layout import MegatronLayout
 from mergeflow.formats.megatron.names import (
+    COPY,
     MTP_SHARED,
     MTP_UNDER_ITS_OWN_NAMES,
+    RANK_HALVES,
     SUPPORTED_MODEL_TYPES,
     TRAINING_STATE,
     VALUE_HEAD,
@@ -33,6 +35,7 @@ from mergeflow.formats.megatron.names import (
     components_of,
     locate,
     part_shape,
+    per_rank,
     split_joined,
     split_part,
     targets,
@@ -133,8 +136,11 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
         if component is None:
             unmapped.append(key)
             continue
-        template, placements = locate(key.removeprefix(component.prefix), entry, component.geometry)
-        hf_names = targets(template, component.table) or adapter_targets(template, component.table)
+        if component.hf_names:
+            template, placements, hf_names = key, [((), {})], [(key, COPY)]
+        else:
+            template, placements = locate(key.removeprefix(component.prefix), entry, component.geometry)
+            hf_names = targets(template, component.table) or adapter_targets(template, component.table)
         if template == "output_layer.weight" and spec.is_value_model:
             hf_names = [VALUE_HEAD]
         if hf_names is None:
@@ -145,6 +151,8 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
                 name = name_template.format(**fields)
                 expert = fields["expert"] if "expert" in fields and "{expert}" not in name_template else None
                 part, position = split_joined(joined_part)
+                if part == RANK_HALVES:
+                    part = per_rank(part, _row_ranks(entry, len(leading)))
                 stored_shape = entry.shape[len(leading) :]
                 tensor = MegatronTensor(name, dtype_name(entry.dtype), stored_shape, ((key, leading),), part, component.geometry)
                 if position is not None:
@@ -255,6 +263,11 @@ def _renamed(tensors: dict[str, MegatronTensor], name_of: Callable[[str], str]) 
         new_name = name_of(name)
         renamed[new_name] = dataclasses.replace(tensor, name=new_name)
     return renamed
+
+
+def _row_ranks(entry: StoredTensor, stacked_axes: int) -> int:
+    """How many TP ranks a tensor's rows were split over: its chunks' distinct row offsets."""
+    return len({chunk.offsets[stacked_axes] for chunk in entry.chunks})
 
 
 def _tensor_parallel(stored: dict[str, StoredTensor]) -> int | None:

@@ -45,6 +45,15 @@ QKVZ_BY_KEY_HEAD, BA_BY_KEY_HEAD = "qkvz_by_key_head", "ba_by_key_head"
 ZERO_CENTERED = "zero_centered"
 """A norm weight megatron-core keeps zero-centred (its scale is 1 + weight) where the HF model keeps the scale:
 the gated delta net's output norm in Qwen3.5 and Qwen3-Next."""
+RANK_HALVES = "rank_halves"
+"""mbridge's Qwen2.5-VL vision projector fc1 (weight and bias). mbridge splits every `linear_fc1` across TP ranks as
+gate|up when the language model is gated (`_weight_split_across_tp` consults the language model's config for every
+key), this ungated one included: TP rank r holds its share of the first half of the rows, then its share of the
+second half, and megatron-core saves the ranks' rows one after the other. mbridge's export joins them back
+(`_weight_merge_across_tp`), and that export is what verl serves and saves: the HF rows are every rank's first
+halves, then every rank's second halves. The cut needs the number of ranks, `per_rank(RANK_HALVES, ranks)`."""
+PER_RANK = "/"
+"""Separates a cut from the number of TP ranks it depends on (`per_rank`)."""
 JOINED = "@"
 """Separates a part from the position of the piece a key holds (`joined`)."""
 
@@ -53,6 +62,17 @@ def joined(part: str, position: int) -> str:
     """The part of a tensor that megatron-core saves in pieces (several keys): this key holds piece `position`,
     and the pieces, joined along their rows in order, are cut as `part` says."""
     return f"{part}{JOINED}{position}"
+
+
+def per_rank(part: str, ranks: int) -> str:
+    """A cut that depends on how many TP ranks the stored tensor was split over (`RANK_HALVES`)."""
+    return f"{part}{PER_RANK}{ranks}"
+
+
+def split_per_rank(part: str) -> tuple[str, int]:
+    """(cut, TP ranks), or (cut, 1) for a cut that does not depend on them."""
+    part, _, ranks = part.partition(PER_RANK)
+    return part, int(ranks) if ranks else 1
 
 
 def split_joined(part: str) -> tuple[str, int | None]:
@@ -234,13 +254,15 @@ QWEN2_5_VL_VISION: dict[str, list[tuple[str, str]]] = {
     "decoder.layers.{layer}.mlp.linear_fc2.weight": [("visual.blocks.{layer}.mlp.down_proj.weight", COPY)],
     "decoder.layers.{layer}.mlp.linear_fc2.bias": [("visual.blocks.{layer}.mlp.down_proj.bias", COPY)],
     "decoder.final_layernorm.weight": [("visual.merger.ln_q.weight", COPY)],
-    "projection.encoder.linear_fc1.weight": [("visual.merger.mlp.0.weight", COPY)],
-    "projection.encoder.linear_fc1.bias": [("visual.merger.mlp.0.bias", COPY)],
+    "projection.encoder.linear_fc1.weight": [("visual.merger.mlp.0.weight", RANK_HALVES)],
+    "projection.encoder.linear_fc1.bias": [("visual.merger.mlp.0.bias", RANK_HALVES)],
     "projection.encoder.linear_fc2.weight": [("visual.merger.mlp.2.weight", COPY)],
     "projection.encoder.linear_fc2.bias": [("visual.merger.mlp.2.bias", COPY)],
 }
 """Qwen2.5-VL's vision tower, `vision_model.` in verl's (mbridge's) model: biases on every linear layer, RMSNorms,
-QKV fused as the HF model keeps it, and the patch merger (`ln_q`, then megatron-core's two-layer projector)."""
+QKV fused as the HF model keeps it, and the patch merger (`ln_q`, then megatron-core's two-layer projector, whose fc1
+mbridge splits over TP ranks as it would a gate|up: `RANK_HALVES`). Megatron-Bridge's Qwen2.5-VL (verl's default
+bridge) keeps HF's own vision module under `visual.*`, replicated, not split: its archives need no such cut."""
 QWEN3_VL_VISION: dict[str, list[tuple[str, str]]] = {
     "patch_embed.proj.weight": [("model.visual.patch_embed.proj.weight", COPY)],
     "patch_embed.proj.bias": [("model.visual.patch_embed.proj.bias", COPY)],
@@ -363,6 +385,10 @@ VISION_LANGUAGE_TABLES = {
     ),
 }
 """The (language model, vision tower) tables of each vision-language model type."""
+HF_MODULE_TOWERS = {"qwen2_5_vl": "visual."}
+"""Vision towers that a writer keeps as Hugging Face's own module, replicated on every rank and saved under its HF
+names (Megatron-Bridge's Qwen2.5-VL, verl's default bridge), by model type: the key prefix they are saved under.
+An archive holds one tower or the other: mbridge's writes `vision_model.*` (`QWEN2_5_VL_VISION`)."""
 
 TABLES_BY_MODEL_TYPE = {
     "qwen2_moe": QWEN_MOE,
@@ -425,6 +451,8 @@ class Component:
     """What its keys start with (`vision_model.`); empty for a language model's archive."""
     table: dict[str, list[tuple[str, str]]]
     geometry: Geometry
+    hf_names: bool = False
+    """Its keys are the HF names already (`HF_MODULE_TOWERS`): each is copied under its own name."""
 
 
 def components_of(config) -> list[Component]:
@@ -442,10 +470,13 @@ def components_of(config) -> list[Component]:
         num_experts=0,
         num_deepstack_mergers=len(getattr(vision, "deepstack_visual_indexes", None) or ()),
     )
-    return [
+    components = [
         Component(LANGUAGE_MODEL, language_table, geometry_of(config.get_text_config())),
         Component(VISION_MODEL, vision_table, vision_geometry),
     ]
+    if config.model_type in HF_MODULE_TOWERS:
+        components.append(Component(HF_MODULE_TOWERS[config.model_type], {}, vision_geometry, hf_names=True))
+    return components
 
 
 def mapping_table(model_type: str) -> dict[str, list[tuple[str, str]]]:
@@ -559,6 +590,9 @@ def part_shape(part: str, shape: tuple[int, ...], geometry: Geometry, key: str) 
         return (rows // 2, *tail)
     if part in (GATE_UP_INTERLEAVED_T, TRANSPOSED):
         return tuple(reversed(shape))
+    cut, ranks = split_per_rank(part)
+    if cut == RANK_HALVES and rows % (2 * ranks):
+        raise PlanError(f"{key} has {rows} rows, which {ranks} TP ranks cannot each hold a share of both halves of")
     if part == VOCAB:
         return (min(rows, geometry.vocab_size), *tail)
     return shape
@@ -575,6 +609,9 @@ def split_part(value: torch.Tensor, part: str, geometry: Geometry) -> torch.Tens
         return value[:half] if part == GATE else value[half:]
     if part == TRANSPOSED:
         return value.T.contiguous()
+    cut, ranks = split_per_rank(part)
+    if cut == RANK_HALVES:
+        return value.reshape(ranks, 2, -1, *value.shape[1:]).transpose(0, 1).reshape(value.shape)
     if part in (GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_T):
         gate, up = value.chunk(2)
         interleaved = torch.stack([gate, up], dim=1).reshape(value.shape)
