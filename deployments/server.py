@@ -22,6 +22,7 @@ STARTUP_TIMEOUT_SECONDS = 180.0
 STATE_FILE = "server.json"
 """Under PREFECT_HOME/mergeflow/: where `mergeflow server` says which server it keeps up."""
 DEFAULT_PORT = 4200
+SERVER_STOP_SECONDS = 10.0
 
 
 def prefect_home() -> Path:
@@ -42,13 +43,30 @@ def configured_api_url() -> str | None:
 
 
 def kept_up_api_url() -> str | None:
-    """The API URL of a `mergeflow server` running for this PREFECT_HOME, if it answers."""
+    """The API URL of a `mergeflow server` running for this PREFECT_HOME, if it answers. A state file whose server
+    process is gone or does not answer is stale: it is removed."""
+    state_file = prefect_home() / "mergeflow" / STATE_FILE
     try:
-        state = json.loads((prefect_home() / "mergeflow" / STATE_FILE).read_text())
+        state = json.loads(state_file.read_text())
     except (OSError, ValueError):
         return None
-    api_url = state.get("api_url")
-    return api_url if api_url and healthy(api_url) else None
+    api_url = state.get("api_url") if isinstance(state, dict) else None
+    if api_url and _alive(state.get("pid")) and healthy(api_url):
+        return api_url
+    state_file.unlink(missing_ok=True)
+    return None
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def healthy(api_url: str) -> bool:
@@ -121,25 +139,55 @@ def prefect_api() -> Iterator[TemporaryServer | None]:
 
 
 def keep_server_up(port: int = DEFAULT_PORT) -> int:
-    """`mergeflow server`: run a Prefect server with its UI on 127.0.0.1 until interrupted, and tell the other
-    mergeflow commands of this PREFECT_HOME to use it. Returns the server's exit code."""
+    """`mergeflow server`: run a Prefect server with its UI on 127.0.0.1 until SIGTERM, SIGINT or SIGHUP (which stop
+    the server too), and, once it answers, tell the other mergeflow commands of this PREFECT_HOME to use it.
+    Returns the server's exit code (0 when stopped by a signal)."""
     api_url = f"http://127.0.0.1:{port}/api"
     state_file = prefect_home() / "mergeflow" / STATE_FILE
     environment = {**os.environ, "PREFECT_UI_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=environment
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=environment,
+        start_new_session=True,  # its process group is stopped with it, by this process only
     )
-    state_file.parent.mkdir(parents=True, exist_ok=True)
-    state_file.write_text(json.dumps({"api_url": api_url, "pid": process.pid}))
-    print(f"mergeflow: Prefect UI at http://127.0.0.1:{port}; mergeflow commands with PREFECT_HOME={prefect_home()} use it")
-    print(f"mergeflow: for other Prefect tools: export {API_URL_VARIABLE}={api_url}")
+    stopped_at: list[float] = []
+
+    def stop(signum, frame) -> None:
+        if not stopped_at:
+            stopped_at.append(time.monotonic())
+            _signal_group(process, signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    announced = False
     try:
-        return process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-        return process.wait()
+        while process.poll() is None:
+            if not announced and not stopped_at and healthy(api_url):
+                announced = True
+                state_file.parent.mkdir(parents=True, exist_ok=True)
+                state_file.write_text(json.dumps({"api_url": api_url, "pid": process.pid}))
+                print(f"mergeflow: Prefect UI at http://127.0.0.1:{port}; mergeflow commands with PREFECT_HOME={prefect_home()} use it")
+                print(f"mergeflow: for other Prefect tools: export {API_URL_VARIABLE}={api_url}")
+                print(f"mergeflow: stop it with Ctrl-C or `kill {os.getpid()}`", flush=True)
+            if stopped_at and time.monotonic() - stopped_at[0] > SERVER_STOP_SECONDS:
+                _signal_group(process, signal.SIGKILL)
+            time.sleep(0.2)
     finally:
         state_file.unlink(missing_ok=True)
+        if process.poll() is None:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stopped_at:
+        print("mergeflow: the Prefect server is stopped", flush=True)
+        return 0
+    return process.returncode
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    """Send `signum` to the server's process group (the server and whatever it started)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)
 
 
 def _free_port() -> int:

@@ -111,8 +111,7 @@ class CheckpointWatcher:
         partial.replace(self.state_file)
 
     def start(self) -> None:
-        """Scan once, then watch the run directory (it is created when missing)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Scan once, then watch the run directory."""
         self._observer = Observer()
         self._observer.schedule(_TrackerHandler(self), str(self.run_dir), recursive=False)
         self._observer.start()
@@ -138,9 +137,11 @@ class _TrackerHandler(FileSystemEventHandler):
 
 
 @contextlib.contextmanager
-def watching(run_dirs: list[str]) -> Iterator[list[CheckpointWatcher]]:
-    """A started watcher per run directory, stopped on exit."""
-    watchers = [CheckpointWatcher(Path(run_dir)) for run_dir in run_dirs]
+def watching(
+    run_dirs: list[str], emit: Callable[[Checkpoint, str], None] = announce
+) -> Iterator[list[CheckpointWatcher]]:
+    """A started watcher per run directory, stopped on exit; `emit` announces a checkpoint."""
+    watchers = [CheckpointWatcher(Path(run_dir), emit=emit) for run_dir in run_dirs]
     try:
         for watcher in watchers:
             watcher.start()

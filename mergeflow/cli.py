@@ -41,7 +41,10 @@ PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migr
 EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UPLOAD_FAILED = 3
+EXIT_INTERRUPTED = 130
 GB = 1e9
+STOP_DRAIN_SECONDS = 0.5
+"""How long a stopping `serve` or `watch` waits to send its queued logs and events (its server may be gone)."""
 
 
 DESCRIPTION = """Merge verl's distributed checkpoints (FSDP rank files, Megatron torch_dist archives) into Hugging
@@ -523,7 +526,6 @@ def run_serve(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=False):
         from mergeflow.deployments.serve import ServeOptions, serve_forever
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         serve_forever(
             ServeOptions(
                 run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
@@ -537,9 +539,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 schedule=args.schedule,
                 concurrency=args.concurrency,
                 task_runner=args.task_runner,
-            )
+            ),
+            say=_say,
         )
     return 0
+
+
+def _say(line: str) -> None:
+    """A line for the console of a long-running command, at once."""
+    print(f"mergeflow: {line}", flush=True)
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -603,18 +611,19 @@ def _prefect(*, allow_temporary: bool):
         try:
             yield server
         finally:
-            _send_prefect_queues()
+            _send_prefect_queues(timeout=None if allow_temporary else STOP_DRAIN_SECONDS)
 
 
-def _send_prefect_queues() -> None:
-    """Send the Prefect logs and events still queued in this process (before its server may stop)."""
+def _send_prefect_queues(timeout: float | None = None) -> None:
+    """Send the Prefect logs and events still queued in this process (before its server may stop), waiting at most
+    `timeout` seconds for each queue (a server that went away would be retried for minutes)."""
     if "prefect.logging.handlers" not in sys.modules:
         return
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    APILogWorker.drain_all()
-    EventsWorker.drain_all()
+    APILogWorker.drain_all(timeout=timeout)
+    EventsWorker.drain_all(timeout=timeout)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -645,7 +654,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             preflight.check_reference(args.test_hf_dir)
     elif args.command == "inspect":
         preflight.check_checkpoint(args.local_dir, args.backend, args.hf_model_config_path)
-    elif args.command in ("serve", "sweep"):
+    elif args.command in ("watch", "serve", "sweep"):
+        preflight.check_run_dirs(args.run_dirs)
+    if args.command in ("serve", "sweep"):
         preflight.check_output_dir(args.output_dir, args.run_dirs)
         if args.hf_upload_path:
             check_repo_id(args.hf_upload_path)
@@ -716,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("mergeflow: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except MergeflowError as e:
         _report(e)
         if isinstance(e, UploadError):

@@ -12,7 +12,7 @@ from mergeflow.errors import CheckpointError
 from mergeflow.formats import find_checkpoint
 from mergeflow.options import check_repo_id, check_shard_size
 from mergeflow.output.staging import check_overlap, check_target
-from mergeflow.run_layout import Protected, protected_paths
+from mergeflow.run_layout import STEP_DIR, Protected, backend_of, protected_paths
 from mergeflow.spec.config_files import CONFIG_FILE, require_config
 
 REFERENCE_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
@@ -86,3 +86,29 @@ def check_model_folder(target_dir: str | Path) -> None:
 def check_output_dir(output_dir: str | Path, run_dirs: list[str]) -> None:
     """Merged models of the runs go under `output_dir`, which must lie outside every run directory."""
     check_overlap(Path(output_dir), [Protected("a run directory", Path(run_dir)) for run_dir in run_dirs])
+
+
+def check_run_dirs(run_dirs: list[str]) -> None:
+    """Each directory to watch or sweep must be an existing verl run directory (one that holds, or will hold,
+    `global_step_N/`), not a checkpoint or a step of one. A run with no checkpoint yet is fine.
+
+    Raises:
+        CheckpointError: naming the path, and the run directory to pass where it is a checkpoint or a step.
+    """
+    for run_dir in map(Path, run_dirs):
+        if not run_dir.is_dir():
+            raise CheckpointError(
+                f"run directory not found: {run_dir}",
+                hint="pass the directory verl saves global_step_N/ into (trainer.default_local_dir); create it first "
+                "if training has not started",
+            )
+        absolute = run_dir.absolute()
+        for depth, step_dir in enumerate((absolute, absolute.parent)):
+            if STEP_DIR.match(step_dir.name):
+                what = "a checkpoint" if depth else "a step directory"
+                raise CheckpointError(f"{run_dir} is {what}, not a run directory: pass {step_dir.parent}")
+        if backend_of(run_dir) is not None:
+            raise CheckpointError(
+                f"{run_dir} is a checkpoint, not a run directory (which holds global_step_N/)",
+                hint=f"merge it with `mergeflow merge --local_dir {run_dir}`",
+            )

@@ -50,6 +50,15 @@ def early_mistakes(fixture, tmp_path) -> dict[str, tuple[list, str]]:
         "a bad shard size": ([*merge, "--local_dir", checkpoint, "--target_dir", target, "--max-shard-size", "big"], "invalid --max-shard-size"),
         "a missing reference": ([*merge, "--local_dir", checkpoint, "--target_dir", target, "--test_hf_dir", tmp_path / "ref"], "reference model directory not found"),
         "validating a missing folder": (["validate", tmp_path / "nowhere"], "model directory not found"),
+        "serving a run directory that does not exist": (
+            ["serve", "--watch", tmp_path / "nowhere", "--output", target], f"run directory not found: {tmp_path / 'nowhere'}"
+        ),
+        "serving a checkpoint instead of its run": (
+            ["serve", "--watch", checkpoint, "--output", target],
+            f"is a checkpoint, not a run directory: pass {fixture.run_dir}",
+        ),
+        "watching a step instead of its run": (["watch", checkpoint.parent], f"is a step directory, not a run directory: pass {fixture.run_dir}"),
+        "sweeping a run directory that does not exist": (["sweep", tmp_path / "nowhere", "--output", target], "run directory not found"),
     }
 
 
@@ -67,6 +76,10 @@ MISTAKES = [
     "a bad shard size",
     "a missing reference",
     "validating a missing folder",
+    "serving a run directory that does not exist",
+    "serving a checkpoint instead of its run",
+    "watching a step instead of its run",
+    "sweeping a run directory that does not exist",
 ]
 
 

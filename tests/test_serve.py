@@ -18,7 +18,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from mergeflow.validation.validate import validate_model_dir
 from tests.run_dirs import save_step
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
+"""One worker runs the module in order: its tests follow one served run directory through its checkpoints."""
 
 STARTUP_SECONDS = 180
 MERGE_SECONDS = 120
@@ -61,8 +62,8 @@ def stop(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def served(fixtures, tmp_path_factory):
-    """A Prefect server, and `mergeflow serve` watching an empty run directory: (env, run_dir, output_dir),
-    where `env` points a process at that server."""
+    """A Prefect server, and `mergeflow serve` watching an empty run directory: (env, run_dir, output_dir, serve_log),
+    where `env` points a process at that server and `serve_log` holds what serve printed."""
     base = tmp_path_factory.mktemp("serve")
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
@@ -84,6 +85,7 @@ def served(fixtures, tmp_path_factory):
         env=env, stdout=open(logs / "server.log", "w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     run_dir, output_dir = base / "run-a", base / "out"
+    run_dir.mkdir()
     save_step(fixtures["qwen2-ws2"], base / EARLIER_RUN, EARLIER_STEP)  # complete before serve starts
     try:
         wait_until(lambda: healthy(api_url), STARTUP_SECONDS, "the Prefect server")
@@ -95,7 +97,7 @@ def served(fixtures, tmp_path_factory):
         try:
             with temporary_settings({PREFECT_API_URL: api_url}):
                 wait_until(lambda: _deployment_count() == 2, STARTUP_SECONDS, "the served deployments")
-                yield env, run_dir, output_dir
+                yield env, run_dir, output_dir, logs / "serve.log"
         finally:
             stop(serve)
     finally:
@@ -126,7 +128,7 @@ def publish_states(label: str) -> list[str]:
 
 
 def test_saved_checkpoint_becomes_a_validated_model(served, fixtures):
-    _, run_dir, output_dir = served
+    _, run_dir, output_dir, _ = served
 
     save_step(fixtures["qwen2-ws2"], run_dir, 1)
 
@@ -142,7 +144,7 @@ def test_saved_checkpoint_becomes_a_validated_model(served, fixtures):
 
 
 def test_a_checkpoint_complete_before_serve_started_is_merged_promptly(served):
-    _, _, output_dir = served
+    _, _, output_dir, _ = served
 
     target = output_dir / EARLIER_RUN / f"global_step_{EARLIER_STEP}" / "actor"
     wait_until(lambda: (target / "model.safetensors").is_file(), MERGE_SECONDS, "the merge of the earlier checkpoint")
@@ -150,7 +152,7 @@ def test_a_checkpoint_complete_before_serve_started_is_merged_promptly(served):
 
 
 def test_shards_without_a_tracker_update_trigger_nothing(served, fixtures):
-    _, run_dir, output_dir = served
+    _, run_dir, output_dir, _ = served
 
     save_step(fixtures["qwen2-ws2"], run_dir, 2, update_tracker=False)
 
@@ -166,7 +168,7 @@ def announce(env: dict, run_dir: Path, step: int, *version: str) -> None:
 
 
 def test_the_same_event_twice_merges_once(served):
-    env, run_dir, _ = served
+    env, run_dir, _, _ = served
     wait_until(lambda: publish_states("run-a/step-1/actor") == ["Completed"], MERGE_SECONDS, "the first merge")
 
     announce(env, run_dir, 1)
@@ -176,9 +178,32 @@ def test_the_same_event_twice_merges_once(served):
 
 
 def test_another_run_on_the_same_checkpoint_is_a_cache_hit(served):
-    env, run_dir, _ = served
+    env, run_dir, _, _ = served
 
     announce(env, run_dir, 1, "a version the watcher never saw")
 
     wait_until(lambda: "Cached" in publish_states("run-a/step-1/actor"), MERGE_SECONDS, "a Cached merge")
     assert publish_states("run-a/step-1/actor").count("Completed") == 1
+
+
+def console_lines(serve_log: Path) -> list[str]:
+    """What serve said on its console (not Prefect's log records)."""
+    return [line for line in serve_log.read_text().splitlines() if line.startswith("mergeflow: ")]
+
+
+def test_serve_says_at_start_what_each_run_holds(served):
+    _, run_dir, _, serve_log = served
+
+    lines = console_lines(serve_log)
+
+    assert f"mergeflow: watching {run_dir}: no complete checkpoint yet" in lines
+    assert f"mergeflow: watching {run_dir.parent / EARLIER_RUN}: 1 complete checkpoint(s), 0 merged already, 1 to merge" in lines
+
+
+def test_serve_says_each_checkpoint_it_announces_and_each_merge_it_finishes(served):
+    _, _, output_dir, serve_log = served
+    target = output_dir / "run-a" / "global_step_1" / "actor"
+    wait_until(lambda: (target / "model.safetensors").is_file(), MERGE_SECONDS, "the merged model")
+
+    wait_until(lambda: f"mergeflow: merged run-a/step-1/actor into {target}" in console_lines(serve_log), 30, "the merge's line")
+    assert f"mergeflow: run-a/step-1/actor saved: merging it into {target}" in console_lines(serve_log)

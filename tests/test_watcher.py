@@ -27,6 +27,7 @@ class Recorder:
 
 @pytest.fixture
 def run_dir(tmp_path):
+    (tmp_path / "run-a").mkdir()
     return tmp_path / "run-a"
 
 
