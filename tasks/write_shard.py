@@ -10,7 +10,7 @@ from mergeflow.tasks.cache import merge_step
 def write_shard(job: MergeJob, plan: PlanMade, filename: str, *, progress: bool = False) -> ShardWritten:
     """Stream one weight file into the staging folder; a file already there as planned (written before the
     flow started, or by an interrupted run) is kept."""
-    with tqdm(total=plan.weight_files[filename], unit="B", unit_scale=True, desc=filename, disable=None if progress else True) as bar:
+    with tqdm(total=plan.weight_files[filename], unit="B", unit_scale=True, desc=filename, leave=False, disable=None if progress else True) as bar:
         written = job.write_shard(filename, on_bytes=bar.update)
     if written.resumed:
         get_run_logger().info("%s: already written (%d bytes), kept", filename, written.size)

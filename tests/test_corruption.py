@@ -69,6 +69,45 @@ def test_a_flipped_byte_in_tensor_data_is_an_error_naming_the_file_and_the_tenso
     assert not target_dir.exists()
 
 
+def test_damaged_tensor_data_ends_a_merge_on_a_terminal_with_one_error_and_its_hint_and_no_finished_bar(
+    damaged, target_dir
+):
+    damage_tensor(damaged.checkpoint_dir / "model_world_size_2_rank_1.pt", "model.layers.1.mlp.up_proj.weight", at=37)
+
+    code, output = run_on_a_terminal("merge", "--local_dir", damaged.checkpoint_dir, "--target_dir", target_dir)
+
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert code == EXIT_BAD_INPUT
+    assert [line.split(":")[1].strip() for line in lines[-2:]] == ["error", "hint"], lines[-3:]
+    assert output.count("mergeflow: error:") == 1
+    assert "100%" not in output
+
+
+def run_on_a_terminal(*args, timeout: float = SECONDS_PER_MERGE) -> tuple[int, str]:
+    """`mergeflow ARGS` with a pseudo-terminal as its stdout and stderr (where progress bars are drawn): its exit
+    code and everything it printed."""
+    import os
+    import pty
+    import subprocess
+
+    from tests.cli_runs import COMMAND
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen([*COMMAND, *map(str, args)], stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
+    os.close(follower)
+    output = bytearray()
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the process has ended
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(leader)
+    return process.wait(timeout=timeout), output.decode(errors="replace").replace("\r", "\n")
+
+
 def test_a_merge_that_fails_on_damaged_data_leaves_no_staging_folder(damaged, target_dir):
     rank_file = damaged.checkpoint_dir / "model_world_size_2_rank_0.pt"
     damage_tensor(rank_file, "model.norm.weight", at=1)

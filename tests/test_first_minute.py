@@ -31,6 +31,14 @@ def early_mistakes(fixture, tmp_path) -> dict[str, tuple[list, str]]:
     extra_rank = tmp_path / "extra-rank"
     shutil.copytree(checkpoint, extra_rank)
     shutil.copy(extra_rank / "model_world_size_2_rank_1.pt", extra_rank / "model_world_size_2_rank_2.pt")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(checkpoint, truncated)
+    os.truncate(truncated / "model_world_size_2_rank_1.pt", (truncated / "model_world_size_2_rank_1.pt").stat().st_size // 2)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(checkpoint, swapped)
+    (swapped / "model_world_size_2_rank_0.pt").rename(swapped / "rank_0")
+    (swapped / "model_world_size_2_rank_1.pt").rename(swapped / "model_world_size_2_rank_0.pt")
+    (swapped / "rank_0").rename(swapped / "model_world_size_2_rank_1.pt")
     target = tmp_path / "out"
     merge = ["merge", "--no-progress"]
     return {
@@ -38,6 +46,14 @@ def early_mistakes(fixture, tmp_path) -> dict[str, tuple[list, str]]:
         "global_step_N instead of actor": ([*merge, "--local_dir", checkpoint.parent, "--target_dir", target], "pass the role directory instead"),
         "the run root instead of actor": ([*merge, "--local_dir", fixture.run_dir, "--target_dir", target], "looks like a verl run directory"),
         "a missing rank file": ([*merge, "--local_dir", missing_rank, "--target_dir", target], "rank file missing"),
+        "a truncated rank file": (
+            [*merge, "--local_dir", truncated, "--target_dir", target],
+            f"{truncated / 'model_world_size_2_rank_1.pt'} is truncated or was not written by torch.save",
+        ),
+        "a rank file saved as another rank": (
+            [*merge, "--local_dir", swapped, "--target_dir", target],
+            f"{swapped / 'model_world_size_2_rank_0.pt'} was saved as model_world_size_2_rank_1.pt",
+        ),
         "an extra rank file": ([*merge, "--local_dir", extra_rank, "--target_dir", target], "unexpected rank file"),
         "a non-empty target": ([*merge, "--local_dir", checkpoint, "--target_dir", non_empty], "is not empty"),
         "an overlapping target": ([*merge, "--local_dir", checkpoint, "--target_dir", checkpoint.parent], "contains the checkpoint"),
@@ -67,6 +83,8 @@ MISTAKES = [
     "global_step_N instead of actor",
     "the run root instead of actor",
     "a missing rank file",
+    "a truncated rank file",
+    "a rank file saved as another rank",
     "an extra rank file",
     "a non-empty target",
     "an overlapping target",

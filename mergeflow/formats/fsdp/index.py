@@ -18,7 +18,7 @@ import torch
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.errors import CheckpointError, quoted
-from mergeflow.formats.fsdp.layout import RankFiles
+from mergeflow.formats.fsdp.layout import RankFiles, no_zip_directory
 from mergeflow.formats.fsdp.placement import (
     REPLICATE,
     Block,
@@ -113,9 +113,7 @@ def load_rank_state(path: str | Path) -> dict[str, RankTensor]:
     """
     path = Path(path)
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(
-            f"not a torch checkpoint: {path} is truncated or was not written by torch.save (no zip directory found)"
-        )
+        raise no_zip_directory(path)
     try:
         state = read_rank_pickle(path)
     except UnknownPickle:

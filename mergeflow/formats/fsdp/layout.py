@@ -2,6 +2,7 @@
 
 import json
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ FSDP_CONFIG_FILE = "fsdp_config.json"
 HF_SUBDIR = "huggingface"
 RANK_FILE_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 ROLE_SUBDIRS = ("actor", "critic")
+TRUNCATED_HINT = "the copy or the save did not finish: copy the file again from where training saved it"
 
 
 def default_config_dir(checkpoint_dir: Path) -> Path:
@@ -108,7 +110,37 @@ def find_rank_files(checkpoint_dir: Path) -> RankFiles:
     if missing:
         raise CheckpointError(f"rank file missing: {', '.join(map(str, missing))} ({source})")
     paths = tuple(str(ranks[rank]) for rank in range(world_size))
+    for rank, path in enumerate(paths):
+        _check_zip_directory(Path(path), world_size, rank, source)
     return RankFiles(str(checkpoint_dir), world_size, paths, fsdp_version)
+
+
+def no_zip_directory(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"not a torch checkpoint: {path} is truncated or was not written by torch.save (no zip directory found)",
+        hint=TRUNCATED_HINT,
+    )
+
+
+def _check_zip_directory(path: Path, world_size: int, rank: int, source: str) -> None:
+    """A rank file must end with the zip directory `torch.save` writes last (a file cut short has none), and the
+    name it was saved under, which `torch.save` records as the directory of every entry, must be this rank's of
+    this world size (a file of another save renamed or copied in is not).
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            first = archive.namelist()[0] if archive.namelist() else ""
+    except (zipfile.BadZipFile, OSError) as e:
+        raise no_zip_directory(path) from e
+    saved_as = RANK_FILE_PATTERN.match(f"{first.partition('/')[0]}.pt")
+    if saved_as and (int(saved_as[1]), int(saved_as[2])) != (world_size, rank):
+        raise CheckpointError(
+            f"{path} was saved as {saved_as[0]} (its zip directory says so), not as rank {rank} of world size "
+            f"{world_size} ({source}): it belongs to another save"
+        )
 
 
 def _read_fsdp_config(checkpoint_dir: Path) -> tuple[int | None, int | None]:
