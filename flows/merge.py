@@ -1,5 +1,6 @@
 """The merge pipeline: a verl checkpoint into a validated Hugging Face model folder, one task run per step."""
 
+import dataclasses
 from pathlib import Path
 
 from prefect import flow
@@ -28,12 +29,16 @@ from mergeflow.tasks.write_model_card import write_model_card
 from mergeflow.tasks.write_shard import write_shard
 
 SHARD_WORKERS = 2
+TARGET_NAME_PARTS = 4
+"""How many of the target path's last parts a run's name shows."""
 """Weight files written at once by the default (thread pool) task runner."""
 
 
 def merge_run_name() -> str:
-    """`merge run-a/step-120/actor` in the Prefect UI."""
-    return f"merge {label_of(flow_run.parameters['local_dir'])}"
+    """`merge run-a/step-120/actor into models/run-a/global_step_120/actor` in the Prefect UI: the checkpoint and the
+    last parts of the target (one checkpoint may be merged into several)."""
+    target = Path(flow_run.parameters["target_dir"]).absolute()
+    return f"merge {label_of(flow_run.parameters['local_dir'])} into {'/'.join(target.parts[-TARGET_NAME_PARTS:])}"
 
 
 @flow(name="merge-checkpoint", flow_run_name=merge_run_name, task_runner=ThreadPoolTaskRunner(max_workers=SHARD_WORKERS))
@@ -100,6 +105,8 @@ def merge_checkpoint(
         card = write_model_card(job, staged, report)
         saved = publish(job, staged, report, card, replace=replace)
         merge.record(saved)
+    if merge.reuse:
+        saved = dataclasses.replace(saved, up_to_date=True)
     if hf_upload_path:
         checkpoint_dir = str(Path(local_dir).absolute())
         upload.with_options(

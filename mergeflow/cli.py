@@ -29,6 +29,7 @@ from mergeflow.options import (
     MergeOptions,
     check_repo_id,
 )
+from mergeflow.sizes import human_size
 
 if TYPE_CHECKING:
     from mergeflow.deployments.server import TemporaryServer
@@ -42,7 +43,6 @@ EXIT_VALIDATION_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_UPLOAD_FAILED = 3
 EXIT_INTERRUPTED = 130
-GB = 1e9
 STOP_DRAIN_SECONDS = 0.5
 """How long a stopping `serve` or `watch` waits to send its queued logs and events (its server may be gone)."""
 
@@ -438,10 +438,10 @@ def run_merge(args: argparse.Namespace) -> int:
             progress=args.progress,
         )
     files = f"{len(saved.weight_files)} weight file{'s' if len(saved.weight_files) != 1 else ''}"
-    return _verdict(
-        f"merged {args.local_dir} into {saved.target_dir}: {saved.num_tensors} tensors, {saved.dtype}, "
-        f"{saved.total_size / GB:.2f} GB in {files}; validation {saved.validation}"
-    )
+    facts = f"{saved.num_tensors} tensors, {saved.dtype}, {human_size(saved.total_size)} in {files}; validation {saved.validation}"
+    if saved.up_to_date:
+        return _verdict(f"{saved.target_dir} is up to date: it holds this merge of {args.local_dir}, nothing was written ({facts})")
+    return _verdict(f"merged {args.local_dir} into {saved.target_dir}: {facts}")
 
 
 def run_test(args: argparse.Namespace) -> int:

@@ -204,13 +204,20 @@ class MergeJob:
             unexpected=tuple(plan.unexpected) if plan is not None else (),
         )
 
-    def write_shard(self, filename: str, *, on_bytes=None) -> "ShardWritten":
-        """Write (or keep, when it is already there as planned) one weight file in the staging folder."""
+    def write_shard(self, filename: str, *, on_bytes=None, written_ahead_for: int | None = None) -> "ShardWritten":
+        """Write (or keep, when it is already there as planned) one weight file in the staging folder
+        (`written_ahead_for`: the command whose write-ahead child this is)."""
         from mergeflow.output.save import write_shard
 
         plan, _ = self.merge_plan()
         return write_shard(
-            plan, self.index(), self.staging_dir, filename, chunk_bytes=self.chunk_bytes, on_bytes=on_bytes
+            plan,
+            self.index(),
+            self.staging_dir,
+            filename,
+            chunk_bytes=self.chunk_bytes,
+            on_bytes=on_bytes,
+            written_ahead_for=written_ahead_for,
         )
 
     def save(self, shards: "list[ShardWritten]") -> "SavedModel":
@@ -220,7 +227,14 @@ class MergeJob:
 
         plan, adapter = self.merge_plan()
         self.staging_dir.mkdir(parents=True, exist_ok=True)
-        write_model_files(plan, self.index(), self.spec(), self.staging_dir, Path(self.target_dir), adapter=adapter)
+        write_model_files(
+            plan,
+            self.index(),
+            self.spec(),
+            self.staging_dir,
+            adapter=adapter,
+            base_model=self.options.base_model,
+        )
         return describe_output(plan, adapter, self.staging_dir, shards, seconds=time.monotonic() - self.started)
 
     def copy_model(self, *, replace: bool = False) -> "SavedModel":
@@ -393,7 +407,7 @@ class MergeJob:
             for filename in plan.shard_to_names:
                 if os.getppid() != parent:
                     return
-                self.write_shard(filename)
+                self.write_shard(filename, written_ahead_for=parent)
 
     def _target_written(self) -> bool:
         """Whether the target holds files already (a cache hit, or a folder to replace): nothing to prepare."""

@@ -54,6 +54,17 @@ def check_shard_size(max_shard_size: str | int) -> None:
         raise OptionError(f"invalid --max-shard-size {max_shard_size!r}: {e}") from e
 
 
+def is_hub_model_id(name: object) -> bool:
+    """Whether `name` reads as a Hub model id (`org/name`) rather than a local path."""
+    if not isinstance(name, str) or name.startswith(("/", ".", "~")):
+        return False
+    try:
+        check_repo_id(name)
+    except OptionError:
+        return False
+    return True
+
+
 def check_repo_id(repo_id: str) -> None:
     """Raises OptionError unless `repo_id` reads `user/name` as the Hub accepts it."""
     from huggingface_hub.errors import HFValidationError

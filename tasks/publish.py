@@ -25,12 +25,12 @@ def publish(
     get_run_logger().info("published %s", published.target_dir)
     checkpoint_dir = job.layout().checkpoint_dir
     create_markdown_artifact(
-        key=artifact_key("merge-summary", checkpoint_dir),
+        key=artifact_key("merge-summary", checkpoint_dir, published.target_dir),
         markdown=summary_markdown(job, published, report),
         description=f"mergeflow: {checkpoint_dir}",
     )
     create_table_artifact(
-        key=artifact_key("merge-differences", checkpoint_dir),
+        key=artifact_key("merge-differences", checkpoint_dir, published.target_dir),
         table=[
             {
                 "tensor": d.name,
@@ -47,13 +47,14 @@ def publish(
     return published
 
 
-def artifact_key(kind: str, checkpoint_dir: str) -> str:
-    """A key stable per checkpoint (`merge-summary-run-a-global-step-120-actor-1a2b3c4d`), so runs on the
-    same checkpoint can be compared in the UI."""
+def artifact_key(kind: str, checkpoint_dir: str, target_dir: str) -> str:
+    """A key stable per checkpoint and target (`merge-summary-run-a-global-step-120-actor-1a2b3c4d`, the digest
+    of both paths), so runs of the same merge can be compared in the UI and merges of one checkpoint into two
+    targets keep a summary each."""
     absolute = str(Path(checkpoint_dir).absolute())
     tail = "-".join(Path(absolute).parts[-KEY_PATH_PARTS:])
     slug = re.sub(r"[^a-z0-9]+", "-", tail.lower()).strip("-")
-    digest = hashlib.sha1(absolute.encode()).hexdigest()[:8]
+    digest = hashlib.sha1(f"{absolute}\0{Path(target_dir).absolute()}".encode()).hexdigest()[:8]
     return f"{kind}-{slug}"[: KEY_MAX_LENGTH - len(digest) - 1].rstrip("-") + f"-{digest}"
 
 

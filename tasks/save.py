@@ -1,7 +1,10 @@
+from collections import Counter
+
 from prefect import get_run_logger
 
 from mergeflow.job import MergeJob, PlanMade
-from mergeflow.output.manifest import SavedModel, ShardWritten
+from mergeflow.output.manifest import SavedModel, ShardWritten, how_written
+from mergeflow.sizes import human_size
 from mergeflow.tasks.cache import merge_step
 
 
@@ -10,11 +13,11 @@ def save(job: MergeJob, plan: PlanMade, shards: list[ShardWritten]) -> SavedMode
     """Write the rest of the model folder beside its weight files: the weight index, config, generation config,
     tokenizer and other side files, the LoRA adapter. The manifest describes the staging folder."""
     saved = job.save(shards)
-    kept = sum(shard.resumed for shard in shards)
+    origins = Counter(how_written(shard) for shard in shards if shard.resumed)
     get_run_logger().info(
-        "wrote %d files, %d bytes of weights%s",
+        "%d files, %s of weights%s",
         len(saved.files),
-        saved.total_size,
-        f" ({kept} weight file(s) kept from earlier: written before the flow started or by an interrupted run)" if kept else "",
+        human_size(saved.total_size),
+        "".join(f"; {count} weight file(s) {origin}" for origin, count in sorted(origins.items())),
     )
     return saved

@@ -56,7 +56,7 @@ def upload(
         raise
     get_run_logger().info("uploaded %s to %s@%s: %s", target_dir, repo_id, revision, result.commit_url)
     create_link_artifact(
-        key=artifact_key("hub-upload", checkpoint_dir),
+        key=artifact_key("hub-upload", checkpoint_dir, target_dir),
         link=result.commit_url,
         link_text=f"{repo_id}@{revision}",
         description=f"mergeflow upload of {checkpoint_dir}",

@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -212,3 +213,40 @@ def test_the_model_card_has_the_permissions_of_the_other_files(fixtures, tmp_pat
     modes = {path.name: stat.S_IMODE(os.stat(path).st_mode) for path in (tmp_path / "out").iterdir()}
     assert modes["README.md"] == modes["config.json"] == modes["model.safetensors"], modes
     assert saved.files
+
+
+def info_logs() -> dict[str, str]:
+    """The environment of a merge whose Prefect logs reach the console at INFO, as a user's do."""
+    return {**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"}
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_first_merge_says_its_weights_were_written_ahead_not_kept_from_an_earlier_run(fixtures, tmp_path):
+    run = run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", tmp_path / "out", env=info_logs())
+
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "interrupted" not in output and "earlier" not in output
+    assert "model.safetensors: " in output
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_merge_already_in_place_says_it_is_up_to_date_and_writes_nothing(fixtures, tmp_path):
+    target = tmp_path / "out"
+    checkpoint = fixtures["qwen2-ws2"].checkpoint_dir
+    assert run_cli("merge", "--local_dir", checkpoint, "--target_dir", target).returncode == 0
+    written = {path.name: path.stat().st_mtime_ns for path in target.iterdir()}
+
+    run = run_cli("merge", "--local_dir", checkpoint, "--target_dir", target)
+
+    assert run.returncode == 0, run.stderr
+    assert run.last_line.startswith(f"mergeflow: {target} is up to date: it holds this merge of {checkpoint}, nothing was written")
+    assert {path.name: path.stat().st_mtime_ns for path in target.iterdir()} == written
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_merge_reports_its_size_in_units_people_read(fixtures, tmp_path):
+    run = run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", tmp_path / "out")
+
+    assert re.search(r", \d+(\.\d+)? kB in 1 weight file;", run.last_line), run.last_line
+    assert "0.00 GB" not in run.last_line

@@ -107,3 +107,16 @@ def test_failing_step_fails_the_flow_run_at_that_task(copy_checkpoint, target_di
     runs = task_runs_of(state.state_details.flow_run_id, count=2)
     assert state.is_failed()
     assert [step_name(run) for run in runs if run.state.is_failed()] == ["detect-world-size"]
+
+
+def test_a_merge_run_is_named_by_its_checkpoint_and_its_target(fixtures, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    target = tmp_path / "models" / "qwen2" / "step-1"
+    state = merge_checkpoint(
+        local_dir=str(fixtures["qwen2-ws2"].checkpoint_dir), target_dir=str(target), progress=False, return_state=True
+    )
+
+    with get_client(sync_client=True) as client:
+        name = client.read_flow_run(state.state_details.flow_run_id).name
+    assert name == f"merge run/step-1/actor into {tmp_path.name}/models/qwen2/step-1"

@@ -74,7 +74,31 @@ def test_adapter_config_records_rank_pattern_alpha_and_targets(merged_lora):
     assert (config["r"], config["lora_alpha"], config["rank_pattern"]) == (4, 16, {"v_proj": 2})
     assert sorted(config["target_modules"]) == ["down_proj", "embed_tokens", "q_proj", "v_proj"]
     assert config["task_type"] == "CAUSAL_LM"
-    assert config["base_model_name_or_path"] == str(output)
+
+
+def test_an_adapter_names_no_local_path_as_its_base_model(merged_lora):
+    config = json.loads((merged_lora("lora-ws2") / "lora_adapter" / "adapter_config.json").read_text())
+
+    assert config["base_model_name_or_path"] is None
+
+
+def test_an_adapter_names_the_base_model_given_with_base_model(merged_lora):
+    output = merged_lora("lora-ws2", base_model="my-org/my-base")
+
+    config = json.loads((output / "lora_adapter" / "adapter_config.json").read_text())
+
+    assert config["base_model_name_or_path"] == "my-org/my-base"
+
+
+def test_an_adapter_names_the_hub_model_its_config_was_saved_from(copy_checkpoint, target_dir):
+    fixture = copy_checkpoint("lora-ws2")
+    config_path = fixture.checkpoint_dir / "huggingface" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "_name_or_path": "Qwen/Qwen2.5-0.5B"}))
+
+    merge_with_engine(fixture.checkpoint_dir, target_dir)
+
+    config = json.loads((target_dir / "lora_adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "Qwen/Qwen2.5-0.5B"
 
 
 def test_dora_adapter_says_so(merged_lora):
@@ -154,6 +178,15 @@ def test_lora_only_checkpoint_gives_an_adapter_without_a_base_model(fixtures, me
     assert sorted(path.name for path in output.iterdir()) == ["lora_adapter"]
     assert torch.equal(run(adapted), run(trained_model(fixture)))
     assert validate_model_dir(output).passed
+
+
+def test_a_lone_adapter_carries_the_tokenizer_files_byte_for_byte(fixtures, merged_lora):
+    config_dir = fixtures["lora-only-ws2"].checkpoint_dir / "huggingface"
+    adapter_dir = merged_lora("lora-only-ws2") / "lora_adapter"
+    tokenizer_files = [path for path in config_dir.iterdir() if path.name.startswith("tokenizer")]
+
+    assert tokenizer_files
+    assert all((adapter_dir / path.name).read_bytes() == path.read_bytes() for path in tokenizer_files)
 
 
 def test_folding_a_lora_only_checkpoint_is_an_error(fixtures, target_dir):

@@ -139,7 +139,7 @@ def test_saved_checkpoint_becomes_a_validated_model(served, fixtures):
         MERGE_SECONDS,
         "a Completed flow run",
     )
-    assert run.name == "merge run-a/step-1/actor"
+    assert run.name == f"merge run-a/step-1/actor into {'/'.join(target.parts[-4:])}"
     assert validate_model_dir(target).passed
 
 

@@ -309,7 +309,7 @@ class TestCommands:
             return_state=True,
         )
 
-        keys = [artifact_key("merge-summary", checkpoint), artifact_key("merge-differences", checkpoint)]
+        keys = [artifact_key(kind, checkpoint, str(target_dir)) for kind in ("merge-summary", "merge-differences")]
         by_key = artifacts_by_key(keys, flow_run_id=state.state_details.flow_run_id)
 
         assert set(by_key) == set(keys)
@@ -337,9 +337,15 @@ def artifacts_by_key(keys: list[str], *, flow_run_id) -> dict:
         time.sleep(0.5)
 
 
-def test_artifact_keys_are_stable_per_checkpoint_and_valid():
-    key = artifact_key("merge-summary", "/runs/Run_A/global_step_120/actor")
+def test_artifact_keys_are_stable_per_checkpoint_and_target_and_valid():
+    key = artifact_key("merge-summary", "/runs/Run_A/global_step_120/actor", "/models/a")
 
-    assert key == artifact_key("merge-summary", "/runs/Run_A/global_step_120/actor")
+    assert key == artifact_key("merge-summary", "/runs/Run_A/global_step_120/actor", "/models/a")
     assert key.startswith("merge-summary-run-a-global-step-120-actor-")
-    assert key != artifact_key("merge-summary", "/other/Run_A/global_step_120/actor")
+    assert key != artifact_key("merge-summary", "/other/Run_A/global_step_120/actor", "/models/a")
+
+
+def test_merges_of_one_checkpoint_into_two_targets_keep_an_artifact_each():
+    checkpoint = "/runs/Run_A/global_step_120/actor"
+
+    assert artifact_key("merge-summary", checkpoint, "/models/a") != artifact_key("merge-summary", checkpoint, "/models/b")

@@ -16,11 +16,24 @@ class ShardWritten:
     size: int
     sha256: str
     resumed: bool = False
-    """Found finished in the output folder (written before the flow started, or by an interrupted run)."""
+    """Found finished in the output folder (written ahead before the flow reached it, or by an interrupted run)."""
+    written_ahead_for: int | None = None
+    """The process id of the command whose write-ahead child wrote it (`MergeJob.writing_ahead`), if one did."""
     fp8_errors: dict[str, float] = field(default_factory=dict)
     """Each FP8 weight's largest relative rounding error against the tensor it was quantized from."""
     fp8_outside: tuple[str, ...] = ()
     """FP8 weights with an element outside the rounding bound (none, when quantization is right)."""
+
+
+def how_written(shard: ShardWritten) -> str:
+    """Where a weight file of the staging folder came from, as the log says it (in the process that runs the flow)."""
+    if not shard.resumed:
+        return "written"
+    if shard.written_ahead_for == os.getpid():
+        return "written ahead while Prefect started"
+    if shard.written_ahead_for is not None:
+        return f"written ahead by an earlier mergeflow command (process {shard.written_ahead_for}), kept"
+    return "kept from an interrupted run of this merge"
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,8 @@ class SavedModel:
     """For an FP8 model: each quantized weight's largest relative rounding error against its source."""
     fp8_outside: tuple[str, ...] = ()
     """FP8 weights with an element outside the rounding bound of their source."""
+    up_to_date: bool = False
+    """The run that returned it found this merge's output in place and wrote nothing (a cache hit)."""
 
 
 def file_listing(directory: Path) -> list[tuple[str, int, int]]:

@@ -16,12 +16,14 @@ from tqdm.auto import tqdm
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.formats.base import TensorIndex
 from mergeflow.lora import ADAPTER_SUBDIR
+from mergeflow.options import is_hub_model_id
 from mergeflow.output.manifest import SavedModel, ShardWritten, describe_files
 from mergeflow.output.materialize import PlannedTensors
 from mergeflow.output.shard_locks import LOCK_SUFFIX, closed_to_writers, file_lock
 from mergeflow.output.streaming import CHUNK_BYTES, prefetched
 from mergeflow.output.writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
+from mergeflow.spec.config_files import CONFIG_FILE
 from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, write_generation_config
 
 DONE_SUFFIX = ".done"
@@ -33,20 +35,34 @@ def write_model_files(
     index: TensorIndex,
     spec: ModelSpec,
     staging: Path,
-    target_dir: Path,
     *,
     adapter: AdapterPlan | None = None,
+    base_model: str | None = None,
     progress: bool = True,
 ) -> None:
-    """Everything but the weight shards: their index, config, generation config, side files, the adapter."""
+    """Everything but the weight shards: their index, config, generation config, side files, the adapter (which
+    names `base_model` or the Hub model the config was saved from; an adapter alone also carries the tokenizer and
+    chat template, as adapter repos do)."""
     if plan is not None:
         write_weight_index(plan, staging)
         write_config(spec, staging, plan.config_dtype, quantization=plan.quantization)
         write_generation_config(spec, staging)
         copy_side_files(Path(spec.config_dir), staging)
     if adapter is not None:
-        base = str(target_dir) if plan is not None else None
+        base = base_model or adapter_base_model(Path(spec.config_dir))
         write_adapter(adapter, index, staging / ADAPTER_SUBDIR, base_model=base, progress=progress)
+        if plan is None:
+            copy_side_files(Path(spec.config_dir), staging / ADAPTER_SUBDIR)
+
+
+def adapter_base_model(config_dir: Path) -> str | None:
+    """The Hub model the config was saved from (its `_name_or_path`), which an adapter names as its base; None
+    for a local path (uploaded, it would name a folder on this machine) or nothing."""
+    try:
+        name = json.loads((config_dir / CONFIG_FILE).read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if is_hub_model_id(name) else None
 
 
 def describe_output(
@@ -116,8 +132,10 @@ def write_shard(
     *,
     chunk_bytes: int = CHUNK_BYTES,
     on_bytes: Callable[[int], object] | None = None,
+    written_ahead_for: int | None = None,
 ) -> ShardWritten:
-    """Stream one planned safetensors file from the checkpoint, resumably.
+    """Stream one planned safetensors file from the checkpoint, resumably (`written_ahead_for`: the command whose
+    write-ahead child writes it, recorded with it).
 
     The file is written as `<name>.partial` and renamed when complete, then a `.<name>.done` marker
     records its size, SHA-256 and a digest of its plan. A shard whose marker and file agree with the
@@ -145,7 +163,12 @@ def write_shard(
                     on_bytes(chunk.numel() * chunk.element_size())
             reader.verify()
         written = ShardWritten(
-            filename, expected_size, writer.sha256, fp8_errors=reader.fp8_errors, fp8_outside=tuple(reader.fp8_outside)
+            filename,
+            expected_size,
+            writer.sha256,
+            written_ahead_for=written_ahead_for,
+            fp8_errors=reader.fp8_errors,
+            fp8_outside=tuple(reader.fp8_outside),
         )
         os.replace(partial, final)
         marker_tmp = marker.with_name(marker.name + PARTIAL_SUFFIX)
@@ -188,6 +211,7 @@ def _finished_shard(final: Path, marker: Path, expected_size: int, planned: str)
         expected_size,
         record["sha256"],
         resumed=True,
+        written_ahead_for=record.get("written_ahead_for"),
         fp8_errors=record.get("fp8_errors", {}),
         fp8_outside=tuple(record.get("fp8_outside", ())),
     )
