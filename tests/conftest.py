@@ -14,6 +14,11 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ[spec_cache.CACHE_DIR_VARIABLE] = tempfile.mkdtemp(prefix="mergeflow-cache-")
+os.environ.pop("PREFECT_API_URL", None)  # the user's server and profiles stay out of the suite
+os.environ.pop("PREFECT_UI_API_URL", None)
+os.environ.pop("PREFECT_PROFILE", None)
+os.environ.pop("PREFECT_PROFILES_PATH", None)
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="mergeflow-prefect-home-")
 
 import pytest
 from filelock import FileLock
