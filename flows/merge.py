@@ -38,7 +38,7 @@ def merge_run_name() -> str:
     """`merge run-a/step-120/actor into models/run-a/global_step_120/actor` in the Prefect UI: the checkpoint and the
     last parts of the target (one checkpoint may be merged into several)."""
     target = Path(flow_run.parameters["target_dir"]).absolute()
-    return f"merge {label_of(flow_run.parameters['local_dir'])} into {'/'.join(target.parts[-TARGET_NAME_PARTS:])}"
+    return f"merge {label_of(flow_run.parameters['local_dir'])} into {Path(*target.parts[-TARGET_NAME_PARTS:])}"
 
 
 @flow(name="merge-checkpoint", flow_run_name=merge_run_name, task_runner=ThreadPoolTaskRunner(max_workers=SHARD_WORKERS))
