@@ -18,7 +18,7 @@ EARLY_SECONDS = 5.0
 """A loose bound for the tests (measured: about 0.2 s); what matters is that nothing heavy is imported."""
 
 
-def early_mistakes(fixture, tmp_path) -> dict[str, tuple[list, str]]:
+def early_mistakes(fixture, other_world_size, tmp_path) -> dict[str, tuple[list, str]]:
     """Each mistake: the `mergeflow` arguments that make it, and what the error says."""
     checkpoint = fixture.checkpoint_dir
     non_empty = tmp_path / "non-empty"
@@ -40,6 +40,9 @@ def early_mistakes(fixture, tmp_path) -> dict[str, tuple[list, str]]:
     (swapped / "model_world_size_2_rank_0.pt").rename(swapped / "rank_0")
     (swapped / "model_world_size_2_rank_1.pt").rename(swapped / "model_world_size_2_rank_0.pt")
     (swapped / "rank_0").rename(swapped / "model_world_size_2_rank_1.pt")
+    other_save = tmp_path / "other-save"
+    shutil.copytree(checkpoint, other_save)
+    shutil.copy(other_world_size.checkpoint_dir / "model_world_size_4_rank_0.pt", other_save / "model_world_size_2_rank_0.pt")
     target = tmp_path / "out"
     merge = ["merge", "--no-progress"]
     return {
@@ -54,6 +57,10 @@ def early_mistakes(fixture, tmp_path) -> dict[str, tuple[list, str]]:
         "a rank file saved as another rank": (
             [*merge, "--local_dir", swapped, "--target_dir", target],
             f"{swapped / 'model_world_size_2_rank_0.pt'} was saved as model_world_size_2_rank_1.pt",
+        ),
+        "a rank file of a save with another world size": (
+            [*merge, "--local_dir", other_save, "--target_dir", target],
+            f"{other_save / 'model_world_size_2_rank_0.pt'} was saved as model_world_size_4_rank_0.pt",
         ),
         "an extra rank file": ([*merge, "--local_dir", extra_rank, "--target_dir", target], "unexpected rank file"),
         "a non-empty target": ([*merge, "--local_dir", checkpoint, "--target_dir", non_empty], "is not empty"),
@@ -86,6 +93,7 @@ MISTAKES = [
     "a missing rank file",
     "a truncated rank file",
     "a rank file saved as another rank",
+    "a rank file of a save with another world size",
     "an extra rank file",
     "a non-empty target",
     "an overlapping target",
@@ -104,7 +112,7 @@ MISTAKES = [
 
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_an_early_mistake_exits_2_at_once_with_one_line(fixtures, tmp_path, mistake):
-    argv, message = early_mistakes(fixtures["qwen2-ws2"], tmp_path)[mistake]
+    argv, message = early_mistakes(fixtures["qwen2-ws2"], fixtures["qwen2-untied-ws4"], tmp_path)[mistake]
 
     run = run_cli(*argv)
 
@@ -248,5 +256,14 @@ def test_a_merge_already_in_place_says_it_is_up_to_date_and_writes_nothing(fixtu
 def test_a_merge_reports_its_size_in_units_people_read(fixtures, tmp_path):
     run = run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", tmp_path / "out")
 
+    assert run.returncode == 0, run.stderr
     assert re.search(r", \d+(\.\d+)? kB in 1 weight file;", run.last_line), run.last_line
     assert "0.00 GB" not in run.last_line
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_merge_whose_output_is_not_a_terminal_draws_no_progress_bars(fixtures, tmp_path):
+    run = run_cli("merge", "--local_dir", fixtures["qwen2-ws2"].checkpoint_dir, "--target_dir", tmp_path / "out")
+
+    assert run.returncode == 0, run.stderr
+    assert "%|" not in run.stdout + run.stderr

@@ -60,14 +60,10 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-@pytest.fixture(scope="module")
-def served(fixtures, tmp_path_factory):
-    """A Prefect server, and `mergeflow serve` watching an empty run directory: (env, run_dir, output_dir, serve_log),
-    where `env` points a process at that server and `serve_log` holds what serve printed."""
-    base = tmp_path_factory.mktemp("serve")
-    port = free_port()
+def server_environment(base: Path, port: int) -> dict[str, str]:
+    """The environment of processes that use a Prefect server on `port`, with a Prefect home and results under `base`."""
     api_url = f"http://127.0.0.1:{port}/api"
-    env = {
+    return {
         **os.environ,
         "PREFECT_HOME": str(base / "prefect-home"),
         "PREFECT_API_URL": api_url,
@@ -78,6 +74,16 @@ def served(fixtures, tmp_path_factory):
         "PREFECT_RUNNER_POLL_FREQUENCY": "2",
         "PREFECT_LOGGING_LEVEL": "INFO",
     }
+
+
+@pytest.fixture(scope="module")
+def served(fixtures, tmp_path_factory):
+    """A Prefect server, and `mergeflow serve` watching an empty run directory: (env, run_dir, output_dir, serve_log),
+    where `env` points a process at that server and `serve_log` holds what serve printed."""
+    base = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = server_environment(base, port)
     logs = base / "logs"
     logs.mkdir()
     server = subprocess.Popen(
