@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
 SAFETENSORS_FILE_PATTERN = "model{suffix}.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 MAX_LISTED = 20
 
 

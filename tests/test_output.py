@@ -6,7 +6,7 @@ import pytest
 
 from mergeflow.cli import EXIT_BAD_INPUT, main
 from mergeflow.errors import OutputError
-from mergeflow.output.staging import STAGING_PREFIX, staged_output
+from mergeflow.output.staging import STAGING_PREFIX, check_target
 from tests.merging import merge_with_engine
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -69,22 +69,12 @@ def test_failed_merge_leaves_the_target_as_it_was(fixtures, target_dir, monkeypa
     assert not [p for p in target_dir.parent.iterdir() if p.name.startswith(STAGING_PREFIX)]
 
 
-def test_staging_directory_is_removed_when_the_body_fails(tmp_path):
-    target = tmp_path / "out"
-
-    with pytest.raises(RuntimeError), staged_output(target, overwrite=False) as staging:
-        (staging / "partial.safetensors").write_bytes(b"x")
-        raise RuntimeError("killed")
-
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_target_that_is_a_file_is_refused(tmp_path):
     target = tmp_path / "out"
     target.write_text("file")
 
-    with pytest.raises(OutputError, match="is a file"), staged_output(target, overwrite=True):
-        pass
+    with pytest.raises(OutputError, match="is a file"):
+        check_target(target, overwrite=True)
 
 
 def test_every_file_is_flushed_to_the_device_before_the_model_appears(fixtures, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.output.manifest import SavedModel, describe_files
+from mergeflow.spec.config_files import CONFIG_FILE
 from mergeflow.validation.model_folder import SafetensorsFolder, dominant_floating_dtype, nbytes
 
 
@@ -34,7 +35,7 @@ def copy_model_folder(source_dir: Path, output_dir: Path) -> SavedModel:
 
 def _config_dtype(model_dir: Path) -> str | None:
     try:
-        config = json.loads((model_dir / "config.json").read_text())
+        config = json.loads((model_dir / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return None
     return config.get("dtype") or config.get("torch_dtype")

@@ -22,8 +22,8 @@ from mergeflow.output.materialize import PlannedTensors
 from mergeflow.output.shard_locks import LOCK_SUFFIX, closed_to_writers, file_lock
 from mergeflow.output.streaming import CHUNK_BYTES, prefetched
 from mergeflow.output.writer import SafetensorsWriter, TensorEntry, build_header
-from mergeflow.planning import INDEX_FILE, AdapterPlan, MergePlan, OutputTensor
-from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.planning import AdapterPlan, MergePlan, OutputTensor
+from mergeflow.spec.config_files import CONFIG_FILE, WEIGHT_INDEX_FILE
 from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, write_generation_config
 
 DONE_SUFFIX = ".done"
@@ -238,4 +238,4 @@ def write_weight_index(plan: MergePlan, output_dir: Path) -> None:
         "metadata": {"total_size": plan.total_size},
         "weight_map": dict(sorted(plan.name_to_shard.items())),
     }
-    (output_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (output_dir / WEIGHT_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,10 +1,9 @@
 """Atomic output: build the model in a hidden sibling directory and rename it into place at the end."""
 
-import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from mergeflow.errors import OutputError
@@ -65,34 +64,9 @@ def check_overlap(target_dir: Path, protected: Sequence[Protected]) -> None:
         )
 
 
-@contextlib.contextmanager
-def staged_output(target_dir: Path, *, overwrite: bool, protected: Sequence[Protected] = ()) -> Iterator[Path]:
-    """Yield a staging directory beside the target; on success it becomes the target, on failure it is removed.
-
-    A merge that fails or is killed leaves the target as it was.
-    """
-    target_dir = Path(target_dir).absolute()
-    check_target(target_dir, overwrite=overwrite, protected=protected)
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{target_dir.name}-", dir=target_dir.parent))
-    try:
-        yield staging
-        _replace(staging, target_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def resumable_staging(target_dir: Path, merge_key: str) -> Path:
-    """The staging directory beside the target for one merge (named by its key); what an interrupted run
-    of the same merge left there is kept, so shards already written need not be written again."""
-    staging = staging_dir_of(target_dir, merge_key)
-    staging.mkdir(parents=True, exist_ok=True)
-    return staging
-
-
 def staging_dir_of(target_dir: Path, merge_key: str) -> Path:
-    """Where `resumable_staging` keeps one merge's staging directory (not created here)."""
+    """Where one merge builds its model before it is renamed into place, named by the merge's key so that an
+    interrupted run of the same merge resumes in it (not created here)."""
     target_dir = Path(target_dir).absolute()
     return target_dir.parent / f"{STAGING_PREFIX}{target_dir.name}-{merge_key[:16]}"
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from mergeflow.spec.config_files import CONFIG_FILE
+
 CACHE_DIR_VARIABLE = "MERGEFLOW_CACHE_DIR"
 SPEC_SUBDIR = "model-specs"
 LOCK_SUBDIR = "locks"
@@ -36,7 +38,7 @@ def spec_key(config_dir: Path, options: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps({"format": FORMAT_VERSION, "transformers": _transformers_version(), **options},
                              sort_keys=True).encode())
-    for path in [config_dir / "config.json", *sorted(config_dir.glob("*.py"))]:
+    for path in [config_dir / CONFIG_FILE, *sorted(config_dir.glob("*.py"))]:
         digest.update(path.name.encode() + b"\0")
         digest.update(path.read_bytes())
     return digest.hexdigest()

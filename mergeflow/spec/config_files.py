@@ -7,6 +7,8 @@ from mergeflow.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHT_INDEX_FILE = "model.safetensors.index.json"
+"""The index of a model's weight files, in Hugging Face's layout (`metadata.total_size`, `weight_map`)."""
 
 
 def require_config(config_dir: Path) -> Path:

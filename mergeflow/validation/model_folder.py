@@ -17,10 +17,9 @@ from safetensors import safe_open
 from mergeflow.dtypes import SAFETENSORS_CODES
 from mergeflow.errors import CheckpointError
 from mergeflow.lora import ADAPTER_CONFIG_FILE, ADAPTER_SUBDIR, ADAPTER_WEIGHTS_FILE, lora_tensor_names
-from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.spec.config_files import CONFIG_FILE, WEIGHT_INDEX_FILE
 
 SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 HEADER_LENGTH_BYTES = 8
@@ -38,7 +37,7 @@ class SafetensorsFolder:
 
     def __init__(self, model_dir: Path):
         self.model_dir = Path(model_dir)
-        self.files = _weight_files(self.model_dir, SAFETENSORS_INDEX, SAFETENSORS_FILE, "*.safetensors")
+        self.files = _weight_files(self.model_dir, WEIGHT_INDEX_FILE, SAFETENSORS_FILE, "*.safetensors")
         self._handles = {}
         self._where: dict[str, str] = {}
         self._info: dict[str, TensorInfo] = {}
@@ -170,7 +169,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
 
 def weight_counts(model_dir: Path) -> tuple[int, int]:
     """How many weight files a complete model folder's index names, and how many tensors they hold."""
-    index_path = Path(model_dir) / SAFETENSORS_INDEX
+    index_path = Path(model_dir) / WEIGHT_INDEX_FILE
     if index_path.is_file():
         weight_map = read_weight_index(index_path)["weight_map"]
         return len(set(weight_map.values())), len(weight_map)
@@ -221,7 +220,7 @@ def model_problems(model_dir: Path) -> list[str]:
         json.loads((model_dir / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
         problems.append(f"config: {model_dir / CONFIG_FILE} does not parse ({e})")
-    index_path = model_dir / SAFETENSORS_INDEX
+    index_path = model_dir / WEIGHT_INDEX_FILE
     if index_path.is_file():
         try:
             index = read_weight_index(index_path)
@@ -231,11 +230,11 @@ def model_problems(model_dir: Path) -> list[str]:
     elif (model_dir / SAFETENSORS_FILE).is_file():
         weight_map = None
     else:
-        return [*problems, f"no weights: {model_dir} has neither {SAFETENSORS_INDEX} nor {SAFETENSORS_FILE}"]
+        return [*problems, f"no weights: {model_dir} has neither {WEIGHT_INDEX_FILE} nor {SAFETENSORS_FILE}"]
     files = sorted(set(weight_map.values())) if weight_map is not None else [SAFETENSORS_FILE]
     stray = sorted(p.name for p in model_dir.glob("*.safetensors") if p.name not in files)
     if stray:
-        problems.append(f"stray weights file(s) not in {SAFETENSORS_INDEX}: {', '.join(stray)}")
+        problems.append(f"stray weights file(s) not in {WEIGHT_INDEX_FILE}: {', '.join(stray)}")
     total = 0
     for filename in files:
         try:
@@ -259,6 +258,6 @@ def model_problems(model_dir: Path) -> list[str]:
         declared = index.get("metadata", {}).get("total_size")
         if declared is not None and not problems and int(declared) != total:
             problems.append(
-                f"{SAFETENSORS_INDEX} says total_size={declared}, the files hold {total} bytes of tensors"
+                f"{WEIGHT_INDEX_FILE} says total_size={declared}, the files hold {total} bytes of tensors"
             )
     return problems
