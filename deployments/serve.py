@@ -19,8 +19,9 @@ from prefect.runner import Runner
 from mergeflow.deployments.server import API_URL_VARIABLE
 from mergeflow.deployments.watcher import EVENT_NAME, RESOURCE_PREFIX, announce, watching
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.flows.sweep import sweep_checkpoints, unmerged_checkpoints
+from mergeflow.flows.sweep import is_merged, sweep_checkpoints
 from mergeflow.flows.task_runners import task_runner_from
+from mergeflow.log_handlers import every_log_handler
 from mergeflow.options import DEFAULT_DTYPE
 from mergeflow.run_layout import Checkpoint, complete_checkpoints, label_of
 
@@ -123,7 +124,7 @@ def watch_summary(run_dirs: list[str], output_dir: str) -> list[str]:
     lines = []
     for run_dir in run_dirs:
         complete = complete_checkpoints(Path(run_dir))
-        waiting = unmerged_checkpoints([run_dir], output_dir)
+        waiting = [checkpoint for checkpoint in complete if not is_merged(checkpoint, output_dir)]
         found = (
             f"{len(complete)} complete checkpoint(s), {len(complete) - len(waiting)} merged already, "
             f"{len(waiting)} to merge"
@@ -172,9 +173,8 @@ class ServerOutages(logging.Filter):
 
     def attach(self) -> None:
         """Filter the records of every handler Prefect's logging has set up."""
-        for logger_ in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
-            for handler in getattr(logger_, "handlers", []):
-                handler.addFilter(self)
+        for handler in every_log_handler():
+            handler.addFilter(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None

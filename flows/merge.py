@@ -29,9 +29,9 @@ from mergeflow.tasks.write_model_card import write_model_card
 from mergeflow.tasks.write_shard import write_shard
 
 SHARD_WORKERS = 2
+"""Weight files written at once by the default (thread pool) task runner."""
 TARGET_NAME_PARTS = 4
 """How many of the target path's last parts a run's name shows."""
-"""Weight files written at once by the default (thread pool) task runner."""
 
 
 def merge_run_name() -> str:

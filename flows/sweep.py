@@ -16,12 +16,14 @@ def unmerged_checkpoints(run_dirs: list[str], output_dir: str) -> list[Checkpoin
         checkpoint
         for run_dir in run_dirs
         for checkpoint in complete_checkpoints(Path(run_dir))
-        if not _holds_files(Path(checkpoint.target_in(output_dir)))
+        if not is_merged(checkpoint, output_dir)
     ]
 
 
-def _holds_files(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir())
+def is_merged(checkpoint: Checkpoint, output_dir: str) -> bool:
+    """Whether the checkpoint's target under `output_dir` holds files."""
+    target = Path(checkpoint.target_in(output_dir))
+    return target.is_dir() and any(target.iterdir())
 
 
 @flow(name="sweep-checkpoints", flow_run_name="sweep {output_dir}")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 from mergeflow import __version__, preflight
 from mergeflow.errors import MergeflowError, OptionError, UploadError, ValidationError
 from mergeflow.formats import BACKENDS
+from mergeflow.log_handlers import every_log_handler
 from mergeflow.options import (
     DEFAULT_DTYPE,
     DEFAULT_TARGET_DIR,
@@ -696,10 +697,9 @@ def _prefect_ready(server: "TemporaryServer | None") -> None:
 
     setup_logging()
     echo_filter = _EchoFilter(temporary_server=server is not None)
-    for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
-        for handler in getattr(logger, "handlers", []):
-            if type(handler).__name__ == "PrefectConsoleHandler":
-                handler.addFilter(echo_filter)
+    for handler in every_log_handler():
+        if type(handler).__name__ == "PrefectConsoleHandler":
+            handler.addFilter(echo_filter)
     if server is not None:
         server.wait()
 

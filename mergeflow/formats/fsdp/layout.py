@@ -132,10 +132,10 @@ def _check_zip_directory(path: Path, world_size: int, rank: int, source: str) ->
     """
     try:
         with zipfile.ZipFile(path) as archive:
-            first = archive.namelist()[0] if archive.namelist() else ""
+            names = archive.namelist()
     except (zipfile.BadZipFile, OSError) as e:
         raise no_zip_directory(path) from e
-    saved_as = RANK_FILE_PATTERN.match(f"{first.partition('/')[0]}.pt")
+    saved_as = RANK_FILE_PATTERN.match(f"{names[0].partition('/')[0]}.pt") if names else None
     if saved_as and (int(saved_as[1]), int(saved_as[2])) != (world_size, rank):
         raise CheckpointError(
             f"{path} was saved as {saved_as[0]} (its zip directory says so), not as rank {rank} of world size "
