@@ -11,14 +11,11 @@ mapping looks them up.
 
 import copy
 import functools
-import re
 
 import torch
 import torch.nn.functional as F
 
 VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
-STACKED_LAYERS = re.compile(r"^((?:language|vision)_model\.decoder\.layers\.)(?!\d)")
-"""A key of every layer's tensors stacked on a leading axis (megatron-core saves layers so)."""
 TE_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 """The names Transformer Engine's fused norm+linear layers give the local layers' norms in a checkpoint."""
 
