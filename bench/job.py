@@ -29,12 +29,13 @@ VERL_PACKAGE = "verl"
 
 def merge_with_mergeflow(checkpoint_dir: Path, target_dir: Path, quantize: str | None = None) -> None:
     """The engine's merge, as `mergeflow merge` starts it: the read-ahead and a new config's spec build begin
-    before the imports that need torch (`MergeJob.warm_up`), then the steps run without Prefect."""
+    before the imports that need torch (`mergeflow.write_ahead.warm_up`), then the steps run without Prefect."""
     from mergeflow.job import MergeJob
     from mergeflow.options import MergeOptions
+    from mergeflow.write_ahead import warm_up
 
     job = MergeJob(checkpoint_dir, target_dir, MergeOptions(quantize=quantize))
-    job.warm_up()
+    warm_up(job)
     job.run()
 
 

@@ -19,7 +19,7 @@ WORKER_TIMEOUT_SECONDS = 3600
 
 def write_huggingface_dir(model: str, checkpoint_dir: Path) -> None:
     from bench.shapes import qwen25_config
-    from mergeflow.testing.models import tiny_tokenizer
+    from mergeflow.demo.models import tiny_tokenizer
 
     hf_dir = checkpoint_dir / "huggingface"
     qwen25_config(model).save_pretrained(hf_dir)

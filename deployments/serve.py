@@ -2,6 +2,7 @@
 watchers that emit those events, served from one process against the configured Prefect server."""
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -22,8 +23,8 @@ from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.flows.sweep import is_merged, sweep_checkpoints
 from mergeflow.flows.task_runners import task_runner_from
 from mergeflow.log_handlers import every_log_handler
-from mergeflow.options import DEFAULT_DTYPE
-from mergeflow.run_layout import Checkpoint, complete_checkpoints, label_of
+from mergeflow.options import DEFAULT_OPTIONS, HubUpload, MergeOptions
+from mergeflow.run_layout import Checkpoint, complete_checkpoints, label_of, target_path
 
 MERGE_DEPLOYMENT = "on-checkpoint"
 SWEEP_DEPLOYMENT = "sweep"
@@ -41,12 +42,9 @@ logger = logging.getLogger("mergeflow.serve")
 class ServeOptions:
     run_dirs: list[str]
     output_dir: str
-    dtype: str = DEFAULT_DTYPE
-    quantize: str | None = None
-    drop_mtp: bool = False
-    hf_upload_path: str | None = None
-    private: bool = False
-    hf_token_secret: str | None = None
+    options: MergeOptions = DEFAULT_OPTIONS
+    """The merges' options (each checkpoint's backend and role set its `backend` and `is_value_model`)."""
+    hub: HubUpload | None = None
     schedule: str | None = None
     """A cron expression for the sweep; without one it runs every hour."""
     concurrency: int = 1
@@ -56,41 +54,38 @@ class ServeOptions:
 
 def checkpoint_trigger(options: ServeOptions) -> DeploymentEventTrigger:
     """Fire the merge deployment on `mergeflow.checkpoint.saved`; its parameters come from the event."""
-    payload = "event.payload"
-    target = f"{options.output_dir}/{{{{ {payload}.run }}}}/global_step_{{{{ {payload}.step }}}}/{{{{ {payload}.role }}}}"
+    field = "{{{{ event.payload.{} }}}}".format
+    merge_options = {**dataclasses.asdict(options.options), "backend": field("backend"), "is_value_model": field("is_value_model")}
     return DeploymentEventTrigger(
         name="merge each new checkpoint",
         expect={EVENT_NAME},
         match={"prefect.resource.id": f"{RESOURCE_PREFIX}*"},
         parameters={
-            "local_dir": f"{{{{ {payload}.local_dir }}}}",
-            "target_dir": target,
-            "backend": f"{{{{ {payload}.backend }}}}",
-            "is_value_model": f"{{{{ {payload}.is_value_model }}}}",
+            "local_dir": field("local_dir"),
+            "target_dir": target_path(options.output_dir, field("run"), field("step"), field("role")),
+            "options": merge_options,
         },
     )
 
 
 def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
-    upload = {"hf_upload_path": options.hf_upload_path, "private": options.private, "hf_token_secret": options.hf_token_secret}
+    merge_parameters = {
+        "options": dataclasses.asdict(options.options),
+        "hub": dataclasses.asdict(options.hub) if options.hub else None,
+    }
     limit = ConcurrencyLimitConfig(limit=options.concurrency, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
     merge_flow = merge_checkpoint.with_options(task_runner=task_runner_from(options.task_runner))
     on_checkpoint = merge_flow.to_deployment(
         name=MERGE_DEPLOYMENT,
         triggers=[checkpoint_trigger(options)],
-        parameters={
-            "dtype": options.dtype, "quantize": options.quantize, "drop_mtp": options.drop_mtp, "progress": False, **upload
-        },
+        parameters={**merge_parameters, "progress": False},
         concurrency_limit=limit,
         description="Merge a verl checkpoint when the watcher announces it.",
     )
     schedule = {"cron": options.schedule} if options.schedule else {"interval": DEFAULT_SWEEP_INTERVAL_SECONDS}
     sweep = sweep_checkpoints.to_deployment(
         name=SWEEP_DEPLOYMENT,
-        parameters={
-            "run_dirs": options.run_dirs, "output_dir": options.output_dir, "dtype": options.dtype,
-            "quantize": options.quantize, "drop_mtp": options.drop_mtp, **upload,
-        },
+        parameters={"run_dirs": options.run_dirs, "output_dir": options.output_dir, **merge_parameters},
         concurrency_limit=1,
         description="Merge every complete checkpoint not merged yet.",
         **schedule,

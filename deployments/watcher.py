@@ -20,8 +20,9 @@ from prefect.settings import get_current_settings
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from mergeflow.formats.verl_run import TRACKER_FILE
 from mergeflow.output.manifest import file_listing
-from mergeflow.run_layout import TRACKER_FILE, Checkpoint, complete_checkpoints
+from mergeflow.run_layout import Checkpoint, complete_checkpoints
 
 EVENT_NAME = "mergeflow.checkpoint.saved"
 RESOURCE_PREFIX = "mergeflow.checkpoint."

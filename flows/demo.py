@@ -5,8 +5,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from mergeflow.demo.fsdp import FixtureSpec, write_fixtures
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.testing.fsdp import FixtureSpec, write_fixtures
+from mergeflow.options import MergeOptions
 
 DEMO_SPEC = FixtureSpec(name="demo", model="qwen2", world_size=2, tie=True, dtype="fp32", step=100)
 DEMO_INPUT_IDS = [[2, 5, 7, 11, 13, 17, 19, 23]]
@@ -20,11 +21,11 @@ def run_demo(workdir: Path) -> bool:
     fixture = write_fixtures([DEMO_SPEC], workdir)["demo"]
     target = workdir / "merged"
     saved = merge_checkpoint(
-        local_dir=str(fixture.checkpoint_dir), target_dir=str(target), dtype="bf16", overwrite=True
+        local_dir=str(fixture.checkpoint_dir), target_dir=str(target), options=MergeOptions(dtype="bf16"), overwrite=True
     )
     matches = logits_match(fixture.reference_dir, target, torch.bfloat16)
     print(f"checkpoint: {fixture.checkpoint_dir}")
-    print(f"merged:     {saved.target_dir}")
+    print(f"merged:     {saved.folder}")
     for file in saved.files:
         print(f"  {file.name:<40} {file.size:>10} bytes")
     return matches

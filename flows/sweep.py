@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger
 
 from mergeflow.errors import MergeflowError
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.options import DEFAULT_DTYPE
+from mergeflow.options import DEFAULT_OPTIONS, HubUpload, MergeOptions
 from mergeflow.run_layout import Checkpoint, complete_checkpoints
 
 
@@ -28,17 +28,11 @@ def is_merged(checkpoint: Checkpoint, output_dir: str) -> bool:
 
 @flow(name="sweep-checkpoints", flow_run_name="sweep {output_dir}")
 def sweep_checkpoints(
-    run_dirs: list[str],
-    output_dir: str,
-    dtype: str = DEFAULT_DTYPE,
-    quantize: str | None = None,
-    drop_mtp: bool = False,
-    hf_upload_path: str | None = None,
-    private: bool = False,
-    hf_token_secret: str | None = None,
+    run_dirs: list[str], output_dir: str, options: MergeOptions = DEFAULT_OPTIONS, hub: HubUpload | None = None
 ) -> list[str]:
-    """Merge each unmerged checkpoint as a `merge-checkpoint` subflow run, oldest first; one failure does
-    not stop the others, and fails the sweep at the end. Returns the targets written."""
+    """Merge each unmerged checkpoint as a `merge-checkpoint` subflow run, oldest first, in its own backend (and as
+    a value model for a critic); one failure does not stop the others, and fails the sweep at the end. Returns
+    the targets written."""
     logger = get_run_logger()
     pending = unmerged_checkpoints(run_dirs, output_dir)
     logger.info("%d checkpoint(s) to merge: %s", len(pending), ", ".join(c.label for c in pending) or "none")
@@ -48,14 +42,8 @@ def sweep_checkpoints(
         state = merge_checkpoint(
             local_dir=checkpoint.local_dir,
             target_dir=target_dir,
-            backend=checkpoint.backend,
-            is_value_model=checkpoint.is_value_model,
-            dtype=dtype,
-            quantize=quantize,
-            drop_mtp=drop_mtp,
-            hf_upload_path=hf_upload_path,
-            private=private,
-            hf_token_secret=hf_token_secret,
+            options=checkpoint.options_from(options),
+            hub=hub,
             progress=False,
             return_state=True,
         )

@@ -1,21 +1,19 @@
 """verl's `test` operation: compare a checkpoint's merged tensors with a reference model, writing nothing."""
 
+import dataclasses
 from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
 
 from mergeflow.errors import ValidationError
+from mergeflow.flows.prepare import prepare
 from mergeflow.job import MergeJob
-from mergeflow.options import MergeOptions
+from mergeflow.options import DEFAULT_OPTIONS, MergeOptions
 from mergeflow.run_layout import label_of
 from mergeflow.tasks.compare_checkpoint import compare_checkpoint
 from mergeflow.tasks.detect_world_size import detect_world_size
-from mergeflow.tasks.extract_lora import extract_lora
 from mergeflow.tasks.fingerprint import fingerprint
-from mergeflow.tasks.load_config import load_config
-from mergeflow.tasks.load_shards import load_shards
-from mergeflow.tasks.plan_merge import plan_merge
 from mergeflow.validation.report import ValidationReport
 from mergeflow.validation.validate import reference_dtype_choice
 
@@ -29,32 +27,21 @@ def verify_run_name() -> str:
 def verify_checkpoint(
     local_dir: str,
     test_hf_dir: str,
-    backend: str = "fsdp",
-    dtype: str | None = None,
-    hf_model_config_path: str | None = None,
-    trust_remote_code: bool = False,
-    is_value_model: bool = False,
-    merge_lora: bool = False,
-    lora_alpha: float | None = None,
+    options: MergeOptions = DEFAULT_OPTIONS,
+    in_reference_dtype: bool = True,
     atol: float = 0.0,
     rtol: float = 0.0,
 ) -> ValidationReport:
-    """Merge in place and compare with `test_hf_dir`; `dtype` defaults to the reference's.
-
-    For a LoRA checkpoint the base model is compared, or with `merge_lora` the base with LoRA folded in.
-    """
-    options = MergeOptions(
-        backend=backend, dtype=dtype or reference_dtype_choice(Path(test_hf_dir)), hf_model_config_path=hf_model_config_path,
-        trust_remote_code=trust_remote_code, is_value_model=is_value_model, merge_lora=merge_lora, lora_alpha=lora_alpha,
-    )  # fmt: skip
+    """Merge in place and compare with `test_hf_dir`, in the reference's dtype (`in_reference_dtype`) or in
+    `options.dtype`. For a LoRA checkpoint the base model is compared, or with `options.merge_lora` the base
+    with LoRA folded in."""
+    if in_reference_dtype:
+        options = dataclasses.replace(options, dtype=reference_dtype_choice(Path(test_hf_dir)))
     job = MergeJob(local_dir, None, options)
     key = fingerprint(job)
-    checkpoint = detect_world_size(job, key)
-    config = load_config(job, checkpoint)
-    shards = load_shards(job, config)
-    lora = extract_lora(job, shards)
-    plan = plan_merge(job, lora)
-    report = compare_checkpoint(job, plan, test_hf_dir, atol=atol, rtol=rtol)
+    checkpoint = detect_world_size(job, wait_for=[key])
+    merged = prepare(job, checkpoint)
+    report = compare_checkpoint(job, test_hf_dir, atol=atol, rtol=rtol, wait_for=[merged.plan])
     if not report.passed:
         raise ValidationError(report.failure_message())
     return report

@@ -3,7 +3,8 @@
 `MergeJob(local_dir, target_dir, MergeOptions(...)).run()` merges without Prefect; the flows are in
 `mergeflow.flows`, the command in `mergeflow.cli`."""
 
-__version__ = "0.1.0"
+from mergeflow.version import __version__
+
 __all__ = ["MergeJob", "MergeOptions", "__version__"]
 
 

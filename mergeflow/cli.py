@@ -14,23 +14,27 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from mergeflow import __version__, preflight
+from mergeflow import preflight
 from mergeflow.errors import MergeflowError, OptionError, UploadError, ValidationError
-from mergeflow.formats import BACKENDS
+from mergeflow.formats.registry import BACKEND_NAMES, BACKENDS
 from mergeflow.log_handlers import every_log_handler
 from mergeflow.options import (
+    DEFAULT_BACKEND,
     DEFAULT_DTYPE,
     DEFAULT_TARGET_DIR,
     DTYPE_NAMES,
     MAX_SHARD_SIZE,
     QUANTIZE_CHOICES,
+    HubUpload,
     MergeOptions,
     check_repo_id,
 )
 from mergeflow.sizes import human_size
+from mergeflow.version import __version__
 
 if TYPE_CHECKING:
     from mergeflow.deployments.server import TemporaryServer
@@ -87,129 +91,150 @@ def unknown_flag_message(flag: str, known: "Iterable[str]") -> str:
     return f"unknown flag {flag}" + (f": did you mean {closest[0]}?" if closest else "")
 
 
-def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
-    """The flags of verl's `python -m verl.model_merger`, in its spellings and in dash/underscore forms."""
-    parser.add_argument(
-        "--backend", choices=BACKENDS, default="fsdp", help="checkpoint format: fsdp rank files or a megatron torch_dist archive"
-    )
-    parser.add_argument(
-        "--local_dir",
-        "--local-dir",
-        dest="local_dir",
-        required=True,
-        help="the checkpoint: .../global_step_N/actor (or critic)",
-    )
-    parser.add_argument(
-        "--hf_model_config_path",
-        "--hf-model-config-path",
-        "--hf_model_path",
-        "--hf-model-path",
-        dest="hf_model_config_path",
-        default=None,
-        help="directory with config.json and tokenizer (default: LOCAL_DIR/huggingface)",
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        "--trust_remote_code",
-        dest="trust_remote_code",
-        action="store_true",
+@dataclass(frozen=True)
+class Flag:
+    """One command-line option, defined once and added to every subcommand that has it."""
+
+    names: tuple[str, ...]
+    settings: dict
+
+    def add(self, parser: argparse.ArgumentParser, **overrides) -> None:
+        parser.add_argument(*self.names, **{**self.settings, **overrides})
+
+
+def _flag(*names: str, **settings) -> Flag:
+    return Flag(names, settings)
+
+
+FLAGS = {
+    "backend": _flag(
+        "--backend", choices=BACKEND_NAMES, default=DEFAULT_BACKEND,
+        help="checkpoint format: " + "; ".join(f"{backend.name}: {backend.description}" for backend in BACKENDS),
+    ),
+    "local_dir": _flag(
+        "--local_dir", "--local-dir", dest="local_dir", required=True, help="the checkpoint: .../global_step_N/actor (or critic)"
+    ),
+    "hf_model_config_path": _flag(
+        "--hf_model_config_path", "--hf-model-config-path", "--hf_model_path", "--hf-model-path", dest="hf_model_config_path",
+        default=None, help="directory with config.json and tokenizer (default: LOCAL_DIR/huggingface)",
+    ),
+    "trust_remote_code": _flag(
+        "--trust-remote-code", "--trust_remote_code", dest="trust_remote_code", action="store_true",
         help="allow a config whose model is custom code (auto_map); it is refused otherwise",
-    )
-    parser.add_argument(
-        "--tie-word-embedding",
-        "--tie_word_embedding",
-        dest="tie_word_embedding",
-        action="store_true",
+    ),
+    "tie_word_embedding": _flag(
+        "--tie-word-embedding", "--tie_word_embedding", dest="tie_word_embedding", action="store_true",
         help="accepted for verl compatibility; the config decides ties",
-    )
-    parser.add_argument(
-        "--is-value-model",
-        "--is_value_model",
-        dest="is_value_model",
-        action="store_true",
+    ),
+    "is_value_model": _flag(
+        "--is-value-model", "--is_value_model", dest="is_value_model", action="store_true",
         help="merge a critic saved with a causal-LM config as *ForTokenClassification",
-    )
-    parser.add_argument(
-        "--use_cpu_initialization",
-        "--use-cpu-initialization",
-        dest="use_cpu_initialization",
-        action="store_true",
+    ),
+    "use_cpu_initialization": _flag(
+        "--use_cpu_initialization", "--use-cpu-initialization", dest="use_cpu_initialization", action="store_true",
         help="accepted for verl compatibility; mergeflow always runs on CPU",
-    )
-
-
-def _add_lora_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--merge-lora",
-        "--merge_lora",
-        dest="merge_lora",
-        action="store_true",
+    ),
+    "merge_lora": _flag(
+        "--merge-lora", "--merge_lora", dest="merge_lora", action="store_true",
         help="fold LoRA into the base weights (default: base model plus lora_adapter/)",
-    )
-    parser.add_argument(
-        "--lora-alpha",
-        "--lora_alpha",
-        dest="lora_alpha",
-        type=float,
-        default=None,
+    ),
+    "lora_alpha": _flag(
+        "--lora-alpha", "--lora_alpha", dest="lora_alpha", type=float, default=None,
         help="LoRA alpha, when the checkpoint has no lora_train_meta.json or lora_adapter/ config",
-    )
-
-
-def _add_tolerance_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
-    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)")
-
-
-def _add_dtype_option(parser: argparse.ArgumentParser, default: str | None, help: str) -> None:
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=default, help=help)
-
-
-def _add_quantize_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quantize",
-        choices=QUANTIZE_CHOICES,
-        default=None,
+    ),
+    "target_dir": _flag(
+        "--target_dir", "--target-dir", dest="target_dir", default=DEFAULT_TARGET_DIR,
+        help=f"output folder (default: ./{DEFAULT_TARGET_DIR}, as verl); refused when not empty unless --overwrite",
+    ),
+    "dtype": _flag(
+        "--dtype", choices=DTYPE_NAMES, default=DEFAULT_DTYPE, help="dtype of floating tensors in the output (default: bf16, as verl)"
+    ),
+    "max_shard_size": _flag(
+        "--max-shard-size", "--max_shard_size", dest="max_shard_size", default=MAX_SHARD_SIZE,
+        help=f"largest safetensors file (default {MAX_SHARD_SIZE}); larger models get an index",
+    ),
+    "overwrite": _flag(
+        "--overwrite", action="store_true",
+        help="replace a non-empty target (an earlier merge's output or an ordinary folder, never training files)",
+    ),
+    "quantize": _flag(
+        "--quantize", choices=QUANTIZE_CHOICES, default=None,
         help="store the linear layers' weights in FP8 with 128x128 block scales, as vLLM and SGLang load them",
-    )
-
-
-def _add_drop_mtp_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--drop-mtp",
-        "--drop_mtp",
-        dest="drop_mtp",
-        action="store_true",
+    ),
+    "drop_mtp": _flag(
+        "--drop-mtp", "--drop_mtp", dest="drop_mtp", action="store_true",
         help="leave out multi-token-prediction layers (kept by default, for vLLM's MTP speculative decoding)",
-    )
-
-
-def _add_task_runner_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--task-runner",
-        "--task_runner",
-        dest="task_runner",
-        default="threads",
+    ),
+    "progress": _flag(
+        "--no-progress", dest="progress", action="store_false", help="no progress bars (they are shown only on a terminal)"
+    ),
+    "refresh_cache": _flag(
+        "--no-cache", dest="refresh_cache", action="store_true", help="merge again even when the same merge's output is in place"
+    ),
+    "task_runner": _flag(
+        "--task-runner", "--task_runner", dest="task_runner", default="threads",
         help="where output shards are written: threads[:N] (default), dask[:N] (a local cluster), dask://HOST:PORT",
-    )
-
-
-def _add_automation_options(parser: argparse.ArgumentParser) -> None:
-    """Options of merges nobody types by hand: where models go, their dtype, and the upload."""
-    parser.add_argument("--output", dest="output_dir", required=True, help="merged models go to OUTPUT/<run>/global_step_N/<role>")
-    _add_dtype_option(parser, DEFAULT_DTYPE, "dtype of floating tensors in the output (default: bf16, as verl)")
-    _add_quantize_option(parser)
-    _add_drop_mtp_option(parser)
-    parser.add_argument("--upload", dest="hf_upload_path", default=None, metavar="USER/NAME", help="upload each merged model")
-    parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
-    parser.add_argument(
-        "--hf-token-secret",
-        "--hf_token_secret",
-        dest="hf_token_secret",
-        default=None,
+    ),
+    "test_hf_dir": _flag(
+        "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", default=None, help="also compare the merged model with this reference model"
+    ),
+    "check_logits": _flag(
+        "--check-logits", "--check_logits", dest="check_logits", action="store_true",
+        help="with --test_hf_dir: also compare logits (on CPU, when both models fit in RAM)",
+    ),
+    "atol": _flag("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)"),
+    "rtol": _flag("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)"),
+    "hf_upload_path": _flag(
+        "--hf_upload_path", "--hf-upload-path", "--upload", dest="hf_upload_path", default=None, metavar="USER/NAME",
+        help="upload each validated model to this Hub repo; HF_ENDPOINT selects a mirror",
+    ),
+    "private": _flag("--private", action="store_true", help="create the Hub repo as private"),
+    "revision": _flag("--revision", default=None, help="Hub branch to upload to (default: step-N, from global_step_N)"),
+    "hf_token_secret": _flag(
+        "--hf-token-secret", "--hf_token_secret", dest="hf_token_secret", default=None,
         help="name of a Prefect Secret block holding the Hub token (default: HF_TOKEN or the hf login)",
-    )
+    ),
+    "base_model": _flag("--base-model", "--base_model", dest="base_model", default=None, help="base model id for the model card"),
+    "output_dir": _flag(
+        "--output", dest="output_dir", required=True, help="merged models go to OUTPUT/<run>/global_step_N/<role>"
+    ),
+}  # fmt: skip
+"""Every option of every subcommand, by the attribute it sets."""
 
+CHECKPOINT_FLAGS = (
+    "backend", "local_dir", "hf_model_config_path", "trust_remote_code", "tie_word_embedding", "is_value_model",
+    "use_cpu_initialization", "merge_lora", "lora_alpha",
+)  # fmt: skip
+"""The flags of verl's `python -m verl.model_merger`, in its spellings and in dash/underscore forms."""
+UPLOAD_FLAGS = ("hf_upload_path", "private", "hf_token_secret")
+AUTOMATION_FLAGS = ("output_dir", "dtype", "quantize", "drop_mtp", *UPLOAD_FLAGS)
+"""The options of merges nobody types by hand (serve, sweep): where models go, their dtype, and the upload."""
+COMMAND_FLAGS = {
+    "merge": (
+        *CHECKPOINT_FLAGS, "target_dir", "dtype", "max_shard_size", "overwrite", "quantize", "drop_mtp", "progress",
+        "refresh_cache", "task_runner", "test_hf_dir", *UPLOAD_FLAGS, "revision", "base_model", "check_logits",
+    ),
+    "test": (*CHECKPOINT_FLAGS, "test_hf_dir", "dtype", "atol", "rtol"),
+    "validate": ("test_hf_dir", "check_logits", "atol", "rtol"),
+    "inspect": ("backend", "hf_model_config_path", "trust_remote_code"),
+    "serve": (*AUTOMATION_FLAGS, "task_runner"),
+    "sweep": AUTOMATION_FLAGS,
+}  # fmt: skip
+"""Which of `FLAGS` each subcommand has (besides its positional arguments and its own flags)."""
+FLAG_OVERRIDES = {
+    ("test", "test_hf_dir"): {"required": True, "help": "the reference model folder"},
+    ("test", "dtype"): {"default": None, "help": "dtype the merged tensors are compared in (default: the reference's)"},
+    ("validate", "test_hf_dir"): {"help": "a reference model to compare with, cast to the merged model's dtype"},
+}
+"""Where a subcommand gives a shared flag another default or meaning."""
+
+
+def _add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    for name in COMMAND_FLAGS[command]:
+        FLAGS[name].add(parser, **FLAG_OVERRIDES.get((command, name), {}))
+
+
+RUN_DIR_HELP = "a verl run directory (holding global_step_N/)"
 
 EXAMPLES = {
     "merge": "mergeflow merge --backend fsdp --local_dir ckpts/run-a/global_step_100/actor --target_dir models/step-100",
@@ -237,119 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     merge = _command(commands, "merge", "merge a checkpoint into a Hugging Face model folder")
-    _add_checkpoint_options(merge)
-    _add_lora_options(merge)
-    merge.add_argument(
-        "--target_dir",
-        "--target-dir",
-        dest="target_dir",
-        default=DEFAULT_TARGET_DIR,
-        help=f"output folder (default: ./{DEFAULT_TARGET_DIR}, as verl); refused when not empty unless --overwrite",
-    )
-    _add_dtype_option(merge, DEFAULT_DTYPE, "dtype of floating tensors in the output (default: bf16, as verl)")
-    merge.add_argument(
-        "--max-shard-size",
-        "--max_shard_size",
-        dest="max_shard_size",
-        default=MAX_SHARD_SIZE,
-        help=f"largest safetensors file (default {MAX_SHARD_SIZE}); larger models get an index",
-    )
-    merge.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty target (an earlier merge's output or an ordinary folder, never training files)",
-    )
-    _add_quantize_option(merge)
-    _add_drop_mtp_option(merge)
-    merge.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars (they are shown only on a terminal)")
-    merge.add_argument(
-        "--no-cache",
-        dest="refresh_cache",
-        action="store_true",
-        help="merge again even when the same merge's output is in place",
-    )
-    _add_task_runner_option(merge)
-    merge.add_argument(
-        "--test_hf_dir",
-        "--test-hf-dir",
-        dest="test_hf_dir",
-        default=None,
-        help="also compare the merged model with this reference model",
-    )
-    merge.add_argument(
-        "--hf_upload_path",
-        "--hf-upload-path",
-        dest="hf_upload_path",
-        default=None,
-        help="upload the validated model to this Hub repo (user/name); HF_ENDPOINT selects a mirror",
-    )
-    merge.add_argument("--private", action="store_true", help="create the Hub repo as private")
-    merge.add_argument(
-        "--revision", default=None, help="Hub branch to upload to (default: step-N, from global_step_N)"
-    )
-    merge.add_argument(
-        "--hf-token-secret",
-        "--hf_token_secret",
-        dest="hf_token_secret",
-        default=None,
-        help="name of a Prefect Secret block holding the Hub token (default: HF_TOKEN or the hf login)",
-    )
-    merge.add_argument(
-        "--base-model", "--base_model", dest="base_model", default=None, help="base model id for the model card"
-    )
-    merge.add_argument(
-        "--check-logits",
-        "--check_logits",
-        dest="check_logits",
-        action="store_true",
-        help="with --test_hf_dir: also compare logits (on CPU, when both models fit in RAM)",
-    )
+    _add_flags(merge, "merge")
 
     test = _command(commands, "test", "compare a checkpoint's merged tensors with a reference model (nothing is written)")
-    _add_checkpoint_options(test)
-    _add_lora_options(test)
-    test.add_argument(
-        "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", required=True, help="the reference model folder"
-    )
-    _add_dtype_option(test, None, "dtype the merged tensors are compared in (default: the reference's)")
-    _add_tolerance_options(test)
+    _add_flags(test, "test")
 
     validate = _command(commands, "validate", "check a merged model folder, optionally against a reference")
     validate.add_argument("target_dir", help="the merged model folder")
-    validate.add_argument(
-        "--test_hf_dir",
-        "--test-hf-dir",
-        dest="test_hf_dir",
-        default=None,
-        help="a reference model to compare with, cast to the merged model's dtype",
-    )
-    validate.add_argument(
-        "--check-logits",
-        "--check_logits",
-        dest="check_logits",
-        action="store_true",
-        help="with --test_hf_dir: also compare logits (on CPU, when both models fit in RAM)",
-    )
-    _add_tolerance_options(validate)
+    _add_flags(validate, "validate")
 
     inspect = _command(commands, "inspect", "describe a checkpoint without merging it")
     inspect.add_argument("local_dir", help="the checkpoint: .../global_step_N/actor (or critic)")
-    inspect.add_argument(
-        "--backend", choices=BACKENDS, default="fsdp", help="checkpoint format: fsdp rank files or a megatron torch_dist archive"
-    )
-    inspect.add_argument(
-        "--hf_model_config_path",
-        "--hf-model-config-path",
-        dest="hf_model_config_path",
-        help="directory with config.json (default: LOCAL_DIR/huggingface)",
-    )
-    inspect.add_argument(
-        "--trust-remote-code",
-        "--trust_remote_code",
-        dest="trust_remote_code",
-        action="store_true",
-        help="allow a config whose model is custom code (auto_map)",
-    )
+    _add_flags(inspect, "inspect")
     inspect.add_argument("--json", action="store_true", help="print JSON")
 
     watch = _command(
@@ -359,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Needs a Prefect server that stays up (`mergeflow server`, or PREFECT_API_URL): deployments triggered by\n"
         "the events run there. `mergeflow serve` watches and merges in one command.",
     )
-    watch.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="verl run directories (holding global_step_N/)")
+    watch.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help=RUN_DIR_HELP)
 
     serve = _command(
         commands,
@@ -369,16 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
         "server that stays up (`mergeflow server`, or PREFECT_API_URL). Stop it with Ctrl-C or `kill PID`.",
     )
     serve.add_argument(
-        "--watch", dest="run_dirs", action="append", required=True, metavar="RUN_DIR", help="a verl run directory to watch (holding global_step_N/); repeat --watch for several runs"
-    )
-    _add_automation_options(serve)
+        "--watch", dest="run_dirs", action="append", required=True, metavar="RUN_DIR",
+        help="a verl run directory to watch; repeat --watch for several runs",
+    )  # fmt: skip
+    _add_flags(serve, "serve")
     serve.add_argument("--schedule", default=None, metavar="CRON", help="cron schedule of the sweep (default: hourly)")
     serve.add_argument("--concurrency", type=int, default=1, help="merges at once (default 1)")
-    _add_task_runner_option(serve)
 
     sweep = _command(commands, "sweep", "merge every complete checkpoint of verl runs not merged yet")
-    sweep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="verl run directories (holding global_step_N/)")
-    _add_automation_options(sweep)
+    sweep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help=RUN_DIR_HELP)
+    _add_flags(sweep, "sweep")
 
     server = _command(
         commands,
@@ -395,29 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def merge_options(args: argparse.Namespace) -> MergeOptions:
-    return MergeOptions(
-        backend=args.backend,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        hf_model_config_path=args.hf_model_config_path,
-        trust_remote_code=args.trust_remote_code,
-        is_value_model=args.is_value_model,
-        tie_word_embedding=args.tie_word_embedding,
-        merge_lora=args.merge_lora,
-        lora_alpha=args.lora_alpha,
-        base_model=args.base_model,
-        quantize=args.quantize,
-        drop_mtp=args.drop_mtp,
-    )
-
-
 def run_merge(args: argparse.Namespace) -> int:
+    from mergeflow import write_ahead
     from mergeflow.job import MergeJob
 
-    options = merge_options(args)
-    job = MergeJob(args.local_dir, args.target_dir, options)
-    with _prefect(allow_temporary=True) as server, job.writing_ahead():
+    job = MergeJob(args.local_dir, args.target_dir, MergeOptions.from_values(args))
+    with _prefect(allow_temporary=True) as server, write_ahead.writing_ahead(job):
         # a child reads ahead, builds a new config's spec and writes the weight files while Prefect starts
         from mergeflow.flows.merge import merge_checkpoint
         from mergeflow.flows.task_runners import task_runner_from
@@ -427,22 +334,19 @@ def run_merge(args: argparse.Namespace) -> int:
         saved = flow(
             local_dir=args.local_dir,
             target_dir=args.target_dir,
-            **{field: getattr(options, field) for field in options.__dataclass_fields__},
-            overwrite=args.overwrite,
+            options=job.options,
+            hub=HubUpload.from_values(args),
             test_hf_dir=args.test_hf_dir,
             check_logits=args.check_logits,
-            hf_upload_path=args.hf_upload_path,
-            private=args.private,
-            revision=args.revision,
-            hf_token_secret=args.hf_token_secret,
+            overwrite=args.overwrite,
             refresh_cache=args.refresh_cache,
             progress=args.progress,
         )
     files = f"{len(saved.weight_files)} weight file{'s' if len(saved.weight_files) != 1 else ''}"
     facts = f"{saved.num_tensors} tensors, {saved.dtype}, {human_size(saved.total_size)} in {files}; validation {saved.validation}"
     if saved.up_to_date:
-        return _verdict(f"{saved.target_dir} is up to date: it holds this merge of {args.local_dir}, nothing was written ({facts})")
-    return _verdict(f"merged {args.local_dir} into {saved.target_dir}: {facts}")
+        return _verdict(f"{saved.folder} is up to date: it holds this merge of {args.local_dir}, nothing was written ({facts})")
+    return _verdict(f"merged {args.local_dir} into {saved.folder}: {facts}")
 
 
 def run_test(args: argparse.Namespace) -> int:
@@ -453,13 +357,8 @@ def run_test(args: argparse.Namespace) -> int:
         report = verify_checkpoint(
             local_dir=args.local_dir,
             test_hf_dir=args.test_hf_dir,
-            backend=args.backend,
-            dtype=args.dtype,
-            hf_model_config_path=args.hf_model_config_path,
-            trust_remote_code=args.trust_remote_code,
-            is_value_model=args.is_value_model,
-            merge_lora=args.merge_lora,
-            lora_alpha=args.lora_alpha,
+            options=MergeOptions.from_values(args),
+            in_reference_dtype=args.dtype is None,
             atol=args.atol,
             rtol=args.rtol,
         )
@@ -531,12 +430,8 @@ def run_serve(args: argparse.Namespace) -> int:
             ServeOptions(
                 run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
                 output_dir=str(Path(args.output_dir).absolute()),
-                dtype=args.dtype,
-                quantize=args.quantize,
-                drop_mtp=args.drop_mtp,
-                hf_upload_path=args.hf_upload_path,
-                private=args.private,
-                hf_token_secret=args.hf_token_secret,
+                options=MergeOptions.from_values(args),
+                hub=HubUpload.from_values(args),
                 schedule=args.schedule,
                 concurrency=args.concurrency,
                 task_runner=args.task_runner,
@@ -559,12 +454,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         merged = sweep_checkpoints(
             run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
             output_dir=str(Path(args.output_dir).absolute()),
-            dtype=args.dtype,
-            quantize=args.quantize,
-            drop_mtp=args.drop_mtp,
-            hf_upload_path=args.hf_upload_path,
-            private=args.private,
-            hf_token_secret=args.hf_token_secret,
+            options=MergeOptions.from_values(args),
+            hub=HubUpload.from_values(args),
         )
     return _verdict(f"merged {len(merged)} checkpoint(s)" + "".join(f"\n  {target}" for target in merged))
 

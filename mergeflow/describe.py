@@ -7,18 +7,20 @@ from collections import Counter
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats import find_checkpoint
 from mergeflow.formats.base import TensorIndex
-from mergeflow.lora import PEFT_PREFIX, lora_tensor_names, recorded_alpha
+from mergeflow.formats.registry import backend_named, find_checkpoint
+from mergeflow.lora import recorded_alpha
+from mergeflow.options import DEFAULT_BACKEND
 from mergeflow.planning import mtp_layer_names
 from mergeflow.spec.config_files import CONFIG_FILE
 from mergeflow.spec.model_spec import ModelSpec, load_model_spec
+from mergeflow.spec.peft_names import PEFT_PREFIX, lora_tensor_names
 
 
 def describe_checkpoint(
     local_dir: Path,
     *,
-    backend: str = "fsdp",
+    backend: str = DEFAULT_BACKEND,
     hf_model_config_path: Path | None = None,
     trust_remote_code: bool = False,
 ) -> dict:
@@ -27,8 +29,8 @@ def describe_checkpoint(
     value-model flags."""
     layout = find_checkpoint(local_dir, backend)
     spec = _spec_or_none(Path(hf_model_config_path or layout.config_dir), trust_remote_code)
-    if spec is None and backend == "megatron":
-        raise CheckpointError(f"{layout.config_dir}: a Megatron archive is named through its config, which cannot be read")
+    if spec is None and backend_named(backend).needs_spec:
+        raise CheckpointError(f"{layout.config_dir}: a {backend} checkpoint is named through its config, which cannot be read")
     index = layout.index(spec)
     tied = dict(spec.tied) if spec else dict(index.aliases)
     counted = [t for name, t in index.tensors.items() if name not in tied and name not in index.aliases]

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow import __version__
 from mergeflow.output.manifest import file_listing
+from mergeflow.version import __version__
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
 from mergeflow.errors import UploadError
+from mergeflow.formats.verl_run import STEP_DIR
 from mergeflow.options import check_repo_id
-from mergeflow.run_layout import STEP_DIR
 
 MAIN_BRANCH = "main"
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})

@@ -2,38 +2,29 @@
 
 The pipeline's steps are methods that return small manifests (the flow's tasks pass these on, so Prefect
 draws the graph); the state the steps share (the spec, the index with its mapped rank files, the plan)
-stays in this object, built when first needed. The speed machinery is here too: `warm_up` reads the
-checkpoint ahead and builds a new config's spec in a child process, and `writing_ahead` has a child process
-write the weight files into the staging folder while Prefect starts; the flow's own shard steps then find
-them written and keep them (`output.save.write_shard`). Imports no torch until a step needs it.
+stays in this object, built when first needed. What speeds a merge up from outside (reading ahead, writing
+the weight files ahead while Prefect starts) is `mergeflow.write_ahead`. Imports no torch until a step needs it.
 """
 
-import contextlib
 import dataclasses
 import functools
-import json
-import os
+import math
 import shutil
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mergeflow.fingerprint import MergeKey, merge_key
-from mergeflow.formats import find_checkpoint
 from mergeflow.formats.base import Layout
+from mergeflow.formats.registry import backend_named, find_checkpoint
 from mergeflow.options import MergeOptions
-from mergeflow.output.shard_locks import WRITERS_LOCK, open_to_writers, shard_writers
 from mergeflow.output.staging import staging_dir_of
 from mergeflow.output.streaming import CHUNK_BYTES
 from mergeflow.perf.read_ahead import ReadAhead
 from mergeflow.run_layout import protected_paths
 from mergeflow.spec import cache as spec_cache
-from mergeflow.spec.build import SpecBuild, child_environment
 
 if TYPE_CHECKING:
     from mergeflow.formats.base import TensorIndex
@@ -97,6 +88,18 @@ class PlanMade:
     dtype: str
     dropped_aliases: dict[str, str]
     unexpected: tuple[str, ...]
+    parameters: int
+    """Elements of every tensor written (the adapter's, for a LoRA-only checkpoint)."""
+
+
+@dataclass(frozen=True)
+class MergeSteps:
+    """What the steps before the weights found, together (what `flows.prepare` returns)."""
+
+    config: ConfigLoaded
+    shards: ShardsLoaded
+    lora: LoraFound
+    plan: PlanMade
 
 
 class MergeJob:
@@ -202,6 +205,7 @@ class MergeJob:
             dtype=weights.config_dtype,
             dropped_aliases=dict(plan.dropped_aliases) if plan is not None else {},
             unexpected=tuple(plan.unexpected) if plan is not None else (),
+            parameters=sum(math.prod(tensor.shape) for tensor in weights.tensors.values()),
         )
 
     def write_shard(self, filename: str, *, on_bytes=None, written_ahead_for: int | None = None) -> "ShardWritten":
@@ -249,13 +253,11 @@ class MergeJob:
     def validate(
         self, saved: "SavedModel", test_hf_dir: str | None = None, *, check_logits: bool = False
     ) -> "ValidationReport":
-        """Check the folder (staged or, once published, the target) is complete and, given a reference,
-        equal to it."""
+        """Check the saved folder is complete and, given a reference, equal to it."""
         from mergeflow.validation.validate import validate_model_dir
 
-        folder = Path(saved.target_dir) if Path(saved.target_dir).is_dir() else Path(self.target_dir)
         return validate_model_dir(
-            folder,
+            Path(saved.folder),
             reference_dir=Path(test_hf_dir) if test_hf_dir else None,
             check_logits=check_logits,
             shown_as=self.target_dir,
@@ -292,27 +294,27 @@ class MergeJob:
             merged.verify()
         return report
 
-    def write_model_card(self, saved: "SavedModel", report: "ValidationReport") -> str | None:
+    def write_model_card(
+        self, saved: "SavedModel", report: "ValidationReport", checkpoint: CheckpointFound, lora: "LoraFound | None"
+    ) -> str | None:
         """README.md with the merge's facts, unless the checkpoint brought its own model card."""
+        from mergeflow.fp8 import FP8_DESCRIPTION
         from mergeflow.hub import training_step
-        from mergeflow.lora import describe_lora
-        from mergeflow.output.fp8 import FP8_DESCRIPTION
         from mergeflow.output.model_card import MergeFacts, write_model_card
 
-        lora = None if self.layout().model_dir else self.lora()
         facts = MergeFacts(
-            source=self.layout().checkpoint_dir,
+            source=checkpoint.checkpoint_dir,
             step=training_step(self.local_dir),
-            backend=self.options.backend,
-            world_size=self.layout().world_size,
+            backend=checkpoint.backend,
+            world_size=checkpoint.world_size,
             dtype=saved.dtype,
             merge_seconds=time.monotonic() - self.started,
             validation=report.verdict(),
-            lora=describe_lora(lora) if lora is not None else None,
+            lora=lora.description if lora is not None else None,
             base_model=self.options.base_model,
             quantization=FP8_DESCRIPTION if self.options.quantize == "fp8" else None,
         )
-        path = write_model_card(Path(saved.target_dir), facts)
+        path = write_model_card(Path(saved.folder), facts)
         return str(path) if path is not None else None
 
     def publish(self, saved: "SavedModel", report: "ValidationReport", *, replace: bool = False) -> "SavedModel":
@@ -350,70 +352,6 @@ class MergeJob:
             raise
         return relocated(saved, Path(self.target_dir))
 
-    # --- the machinery
-
-    def warm_up(self) -> None:
-        """Start reading the checkpoint ahead and, for a config not seen before, building its spec in a child
-        process, for a target not written yet; both run while this process imports torch and the rest.
-        Problems are left to the steps."""
-        try:
-            if self._target_written():
-                return
-            layout = self.layout()
-            self._start_read_ahead(layout.data_files)
-            SpecBuild(self.config_dir(), **self._spec_options())
-        except Exception:
-            return
-
-    @contextlib.contextmanager
-    def writing_ahead(self) -> Iterator[None]:
-        """Have a child process (which first warms up) write the weight files into the staging folder while
-        the block runs: the caller imports Prefect and waits for its server, and the child writes on a core
-        of its own, without sharing this process's GIL. Only for a target not written yet; the child stops
-        when the block ends or the staging folder goes (the flow removes it when it fails, renames it when it
-        publishes) and leaves problems for the flow's steps to report."""
-        if self._target_written():
-            yield
-            return
-        open_to_writers(self.staging_dir)
-        arguments = {
-            "local_dir": self.local_dir,
-            "target_dir": self.target_dir,
-            "options": dataclasses.asdict(self.options),
-            "parent": os.getpid(),
-        }
-        child = subprocess.Popen(
-            [sys.executable, "-m", __name__, json.dumps(arguments)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=child_environment(),
-        )
-        try:
-            yield
-        finally:
-            child.terminate()
-            child.wait()
-            _remove_if_unused(self.staging_dir)
-
-    def write_weights(self, parent: int) -> None:
-        """Warm up, then write the weight files into the staging folder while it is open to writers and
-        process `parent` lives (what `writing_ahead`'s child does)."""
-        self.warm_up()
-        plan, _ = self.merge_plan()
-        if plan is None:
-            return
-        with shard_writers(self.staging_dir):
-            for filename in plan.shard_to_names:
-                if os.getppid() != parent:
-                    return
-                self.write_shard(filename, written_ahead_for=parent)
-
-    def _target_written(self) -> bool:
-        """Whether the target holds files already (a cache hit, or a folder to replace): nothing to prepare."""
-        target = Path(self.target_dir)
-        return target.is_dir() and any(target.iterdir())
-
     # --- the state the steps share, built when first needed
 
     def layout(self) -> Layout:
@@ -434,18 +372,18 @@ class MergeJob:
 
         with self._state_lock:
             if self._spec is None:
-                key = spec_cache.model_spec_key(self.config_dir(), **self._spec_options())
+                key = spec_cache.model_spec_key(self.config_dir(), **self.spec_options())
                 if not spec_cache.is_stored(key):
-                    self._start_read_ahead(self.layout().data_files)
+                    self.start_read_ahead(self.layout().data_files)
                 self._spec = load_model_spec(
-                    self.config_dir(), tie_word_embedding=self.options.tie_word_embedding, **self._spec_options()
+                    self.config_dir(), tie_word_embedding=self.options.tie_word_embedding, **self.spec_options()
                 )
             return self._spec
 
     def index(self) -> "TensorIndex":
         with self._state_lock:
             if self._index is None:
-                spec = self.spec() if self.options.backend != "fsdp" else None
+                spec = self.spec() if backend_named(self.options.backend).needs_spec else None
                 self._stop_read_ahead()
                 self._index = self.layout().index(spec)
             return self._index
@@ -483,10 +421,10 @@ class MergeJob:
                 self._plan = (plan, adapter)
             return self._plan
 
-    def _spec_options(self) -> dict[str, bool]:
+    def spec_options(self) -> dict[str, bool]:
         return {"trust_remote_code": self.options.trust_remote_code, "is_value_model": self.options.is_value_model}
 
-    def _start_read_ahead(self, paths: tuple[str, ...]) -> None:
+    def start_read_ahead(self, paths: tuple[str, ...]) -> None:
         if self._read_ahead is None:
             self._read_ahead = ReadAhead(paths).start()
 
@@ -496,25 +434,3 @@ class MergeJob:
 
     def close(self) -> None:
         self._stop_read_ahead()
-
-
-def _remove_if_unused(staging_dir: Path) -> None:
-    """Remove a staging folder that holds nothing but its writers' lock (the flow never got to use it)."""
-    with contextlib.suppress(OSError):
-        (staging_dir / WRITERS_LOCK).unlink()
-        staging_dir.rmdir()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mergeflow.job ARGUMENTS_JSON`: `writing_ahead`'s child."""
-    arguments = json.loads((argv or sys.argv[1:])[0])
-    job = MergeJob(arguments["local_dir"], arguments["target_dir"], MergeOptions(**arguments["options"]))
-    try:
-        job.write_weights(arguments["parent"])
-    except Exception:
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,6 @@ peft is imported only for checkpoints that hold LoRA tensors (it costs a second 
 
 import copy
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,31 +22,19 @@ import torch
 from mergeflow.errors import CheckpointError, OptionError, PlanError, quoted
 from mergeflow.formats.base import TensorIndex
 from mergeflow.spec.model_spec import ModelSpec, build_meta_model
+from mergeflow.spec.peft_names import (
+    ADAPTER_CONFIG_FILE,
+    LORA_KEY,
+    LORA_META_FILE,
+    ORIGINAL_COPY_MARKER,
+    PEFT_PREFIX,
+    SOURCE_ADAPTER_DIRS,
+    TRAINED_COPY_KEY,
+    lora_tensor_names,
+)
 
 if TYPE_CHECKING:
     from peft import LoraConfig
-
-PEFT_PREFIX = "base_model.model."
-LORA_META_FILE = "lora_train_meta.json"
-"""verl's record of the LoRA rank, alpha and task type, beside the rank files."""
-ADAPTER_SUBDIR = "lora_adapter"
-"""Where an adapter lives: in the checkpoint (older verl saved its config there) and in the output."""
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-SOURCE_ADAPTER_DIRS = (ADAPTER_SUBDIR, "model/huggingface/adapter")
-"""Where a checkpoint may hold its adapter's config: `lora_adapter/` (verl's FSDP checkpoints, in older
-releases), and the PEFT folder verl exports for a Megatron run with Megatron-Bridge."""
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-LORA_KEY = re.compile(
-    r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
-    r"\.(?P<adapter>[^.]+)(?:\.(?P<param>weight|bias))?$"
-)
-TRAINED_COPY_KEY = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<param>.+)$")
-"""A module PEFT trains in full (`modules_to_save`): this copy holds the trained values."""
-ORIGINAL_COPY_MARKER = ".original_module."
-"""The untouched base of a `modules_to_save` module."""
-LORA_ONLY_MARKERS = ("lora_", ".adapter_")
-"""verl's `save_lora_only` keeps exactly the tensors whose names hold one of these."""
-
 
 @dataclass(frozen=True)
 class LoraFold:
@@ -95,10 +82,6 @@ def describe_lora(lora: LoraPlan) -> str:
         f"{kind} r={config.r}, alpha={config.lora_alpha} (from {lora.alpha_source}), "
         f"targets {', '.join(sorted(config.target_modules))}; {where}"
     )
-
-
-def lora_tensor_names(names) -> list[str]:
-    return [name for name in names if any(marker in name for marker in LORA_ONLY_MARKERS)]
 
 
 def plan_lora(

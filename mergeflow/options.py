@@ -1,9 +1,13 @@
-"""The options of a merge: their choices and defaults, each defined once (imports no torch)."""
+"""The options of a merge and of its upload, as the objects the flows, deployments and sweep take; their
+choices and defaults, each defined once (imports no torch)."""
 
+import dataclasses
 from dataclasses import dataclass
 
 from mergeflow.errors import OptionError
 
+DEFAULT_BACKEND = "fsdp"
+"""`--backend` when none is given, as in verl's merger (a backend of `formats.registry`)."""
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "keep")
 """`--dtype` choices: the floating dtype written, or `keep` for the shards' own."""
 DEFAULT_DTYPE = "bf16"
@@ -19,7 +23,7 @@ DEFAULT_TARGET_DIR = "tmp"
 class MergeOptions:
     """Every option that changes what a merge writes (and so enters its cache key)."""
 
-    backend: str = "fsdp"
+    backend: str = DEFAULT_BACKEND
     dtype: str = DEFAULT_DTYPE
     max_shard_size: str = MAX_SHARD_SIZE
     hf_model_config_path: str | None = None
@@ -32,6 +36,49 @@ class MergeOptions:
     quantize: str | None = None
     drop_mtp: bool = False
     """Leave out multi-token-prediction layers (kept by default, for speculative decoding)."""
+
+
+    @classmethod
+    def from_values(cls, values: object) -> "MergeOptions":
+        """The options `values` (an argparse namespace, say) has attributes for; a None keeps the default."""
+        given = {field.name: getattr(values, field.name, None) for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in given.items() if value is not None})
+
+
+DEFAULT_OPTIONS = MergeOptions()
+"""A merge's options when none is given (the flows' default)."""
+
+UPLOAD_RETRIES = 6
+UPLOAD_RETRY_DELAY_SECONDS = 10.0
+"""First delay between attempts; each retry doubles it (10, 20, 40, ... 320 s: ten minutes in all), with jitter."""
+
+
+@dataclass(frozen=True)
+class HubUpload:
+    """Where and how a merged model is uploaded to the Hugging Face Hub."""
+
+    repo_id: str
+    private: bool = False
+    revision: str | None = None
+    """The branch; None: a branch per training step, `step-N`."""
+    token_secret: str | None = None
+    """A Prefect Secret block holding the token; None: HF_TOKEN or the huggingface_hub login."""
+    retries: int = UPLOAD_RETRIES
+    retry_delay_seconds: float = UPLOAD_RETRY_DELAY_SECONDS
+
+    @classmethod
+    def from_values(cls, values: object) -> "HubUpload | None":
+        """The upload an argparse namespace asks for (`hf_upload_path`, `private`, `revision`, `hf_token_secret`),
+        None without a repo."""
+        repo_id = getattr(values, "hf_upload_path", None)
+        if not repo_id:
+            return None
+        return cls(
+            repo_id=repo_id,
+            private=getattr(values, "private", False),
+            revision=getattr(values, "revision", None),
+            token_secret=getattr(values, "hf_token_secret", None),
+        )
 
 
 def check_quantize(quantize: str) -> None:

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
+from mergeflow import fp8
 from mergeflow.dtypes import DTYPE_CHOICES, KEEP, dtype_name, output_dtype, parse_dtype_name
 from mergeflow.errors import OptionError, PlanError, quoted
 from mergeflow.formats.base import StoredTensor, TensorIndex
-from mergeflow.lora import ADAPTER_WEIGHTS_FILE, LoraFold, LoraPlan
+from mergeflow.lora import LoraFold, LoraPlan
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype, check_quantize
-from mergeflow.output import fp8
 from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec, SavedView, swapped
+from mergeflow.spec.peft_names import ADAPTER_WEIGHTS_FILE
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -9,10 +9,11 @@ again, with the rest, for callers that do not come through the CLI.
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats import find_checkpoint
+from mergeflow.formats.registry import backend_of, find_checkpoint
+from mergeflow.formats.verl_run import STEP_DIR
 from mergeflow.options import check_repo_id, check_shard_size
 from mergeflow.output.staging import check_overlap, check_target
-from mergeflow.run_layout import STEP_DIR, Protected, backend_of, protected_paths
+from mergeflow.run_layout import Protected, protected_paths
 from mergeflow.spec.config_files import CONFIG_FILE, require_config
 
 REFERENCE_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")

@@ -1,19 +1,15 @@
-"""verl's run directory: `RUN/global_step_N/{actor,critic}`, and `RUN/latest_checkpointed_iteration.txt`,
-which verl writes after a checkpoint's files, so a step at or below it is complete."""
+"""The checkpoints of verl's run directories (`formats.verl_run`'s conventions), in whichever backend's format
+each was saved, and the parts of a run a merge must never touch."""
 
+import dataclasses
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mergeflow.errors import CheckpointError
-from mergeflow.formats.fsdp import layout as fsdp_layout
-from mergeflow.formats.megatron import layout as megatron_layout
-from mergeflow.formats.megatron.contents import CONTENTS_FILE, is_v2_layout
-from mergeflow.formats.megatron.layout import find_megatron_checkpoint
+from mergeflow.formats import registry
+from mergeflow.formats.verl_run import ROLE_SUBDIRS, STEP_DIR, TRACKER_FILE, step_dir_name, step_dirs
+from mergeflow.options import MergeOptions
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 SCANNED_ENTRIES = 20_000
 """A folder with more entries than this is not an ordinary model folder: mergeflow does not replace it."""
 
@@ -29,7 +25,7 @@ class Checkpoint:
 
     @property
     def local_dir(self) -> str:
-        return str(Path(self.run_dir) / f"global_step_{self.step}" / self.role)
+        return str(Path(self.run_dir) / step_dir_name(self.step) / self.role)
 
     @property
     def is_value_model(self) -> bool:
@@ -41,9 +37,23 @@ class Checkpoint:
         """`run-a/step-120/actor`, for run names in the Prefect UI."""
         return f"{Path(self.run_dir).name}/step-{self.step}/{self.role}"
 
+    def options_from(self, options: MergeOptions) -> MergeOptions:
+        """`options` for this checkpoint: its backend, and a value model for verl's critic."""
+        return dataclasses.replace(options, backend=self.backend, is_value_model=self.is_value_model)
+
     def target_in(self, output_dir: str | Path) -> str:
         """Where this checkpoint's merged model goes under `output_dir`: `OUT/<run>/global_step_N/<role>`."""
-        return str(Path(output_dir) / Path(self.run_dir).name / f"global_step_{self.step}" / self.role)
+        return target_path(str(Path(output_dir)), Path(self.run_dir).name, str(self.step), self.role)
+
+
+TARGET_TEMPLATE = "{output}/{run}/global_step_{step}/{role}"
+"""Where the automatic merges (serve, sweep, the deployments) put a checkpoint's model; `prefect.yaml` spells it
+with Jinja fields (a test checks the two agree)."""
+
+
+def target_path(output: str, run: str, step: str, role: str) -> str:
+    """`TARGET_TEMPLATE` filled in (with values, or with the Jinja fields of an event trigger)."""
+    return TARGET_TEMPLATE.format(output=output, run=run, step=step, role=role)
 
 
 def latest_step(run_dir: Path) -> int | None:
@@ -55,30 +65,14 @@ def latest_step(run_dir: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def backend_of(role_dir: Path) -> str | None:
-    """`fsdp` for rank files, `megatron` for what the Megatron backend reads (a torch_dist archive, or
-    mbridge's HF weights), None otherwise."""
-    if fsdp_layout.detect(role_dir):
-        return "fsdp"
-    try:
-        find_megatron_checkpoint(role_dir)
-    except CheckpointError:
-        return None
-    return "megatron"
-
-
-def is_fully_saved(role_dir: Path, backend: str) -> bool:
-    """Whether the role's save has finished: verl's v2 Megatron layout writes `ckpt_contents.json` last."""
-    return backend != "megatron" or not is_v2_layout(role_dir) or (role_dir / CONTENTS_FILE).is_file()
-
-
 def checkpoints_of_step(run_dir: Path, step: int) -> list[Checkpoint]:
-    step_dir = Path(run_dir) / f"global_step_{step}"
+    """The step's roles that a backend recognises and whose save has finished."""
+    step_dir = Path(run_dir) / step_dir_name(step)
     found = []
-    for role in fsdp_layout.ROLE_SUBDIRS:
-        backend = backend_of(step_dir / role) if (step_dir / role).is_dir() else None
-        if backend is not None and is_fully_saved(step_dir / role, backend):
-            found.append(Checkpoint(str(Path(run_dir).absolute()), step, role, backend))
+    for role in ROLE_SUBDIRS:
+        backend = registry.backend_of(step_dir / role) if (step_dir / role).is_dir() else None
+        if backend is not None and backend.is_complete(step_dir / role):
+            found.append(Checkpoint(str(Path(run_dir).absolute()), step, role, backend.name))
     return found
 
 
@@ -87,12 +81,8 @@ def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
     latest = latest_step(run_dir)
     if latest is None:
         return []
-    steps = sorted(
-        int(match[1])
-        for path in Path(run_dir).iterdir()
-        if path.is_dir() and (match := STEP_DIR.match(path.name)) and int(match[1]) <= latest
-    )
-    return [checkpoint for step in steps for checkpoint in checkpoints_of_step(run_dir, step)]
+    steps = [int(STEP_DIR.match(path.name)[1]) for path in step_dirs(run_dir)]
+    return [checkpoint for step in steps if step <= latest for checkpoint in checkpoints_of_step(run_dir, step)]
 
 
 def label_of(local_dir: str | Path) -> str:
@@ -129,13 +119,9 @@ def protected_paths(checkpoint_dir: str | Path, config_dir: str | Path | None = 
 
 def is_training_file(name: str, is_dir: bool) -> bool:
     """Whether a directory entry is part of what verl saves while training (never a merge's output)."""
-    if is_dir:
-        return bool(STEP_DIR.match(name)) or name == megatron_layout.DIST_CKPT_SUBDIR
-    return (
-        name in (TRACKER_FILE, fsdp_layout.FSDP_CONFIG_FILE, megatron_layout.METADATA_FILE, CONTENTS_FILE)
-        or bool(fsdp_layout.RANK_FILE_PATTERN.match(name))
-        or bool(megatron_layout.DATA_FILE.match(name))
-    )
+    if is_dir and STEP_DIR.match(name):
+        return True
+    return name == TRACKER_FILE or registry.is_training_file(name, is_dir)
 
 
 def training_files_in(folder: Path, *, limit: int = SCANNED_ENTRIES) -> list[str]:

@@ -1,14 +1,12 @@
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from mergeflow.job import MergeJob, PlanMade
+from mergeflow.job import MergeJob
 from mergeflow.validation.report import ValidationReport
 
 
 @task(name="compare-checkpoint", cache_policy=NO_CACHE)
-def compare_checkpoint(
-    job: MergeJob, plan: PlanMade, test_hf_dir: str, *, atol: float = 0.0, rtol: float = 0.0
-) -> ValidationReport:
+def compare_checkpoint(job: MergeJob, test_hf_dir: str, *, atol: float = 0.0, rtol: float = 0.0) -> ValidationReport:
     """Compare the merged tensors, read straight from the checkpoint, with a reference model (nothing is written)."""
     report = job.compare(test_hf_dir, atol=atol, rtol=rtol)
     if report.passed:

@@ -1,11 +1,11 @@
 from prefect import get_run_logger
 
-from mergeflow.job import CheckpointFound, ConfigLoaded, MergeJob
+from mergeflow.job import ConfigLoaded, MergeJob
 from mergeflow.tasks.cache import merge_step
 
 
 @merge_step("load-config")
-def load_config(job: MergeJob, checkpoint: CheckpointFound) -> ConfigLoaded:
+def load_config(job: MergeJob) -> ConfigLoaded:
     """Read the Hugging Face config saved with the checkpoint (or given explicitly) into a model spec."""
     config = job.load_config()
     tied = ", ".join(f"{alias} -> {kept}" for alias, kept in config.tied.items()) or "none"

@@ -1,11 +1,11 @@
 from prefect import get_run_logger
 
-from mergeflow.job import LoraFound, MergeJob, PlanMade
+from mergeflow.job import MergeJob, PlanMade
 from mergeflow.tasks.cache import merge_step
 
 
 @merge_step("plan-merge")
-def plan_merge(job: MergeJob, lora: LoraFound, *, replace: bool = False) -> PlanMade:
+def plan_merge(job: MergeJob, *, replace: bool = False) -> PlanMade:
     """Check the target, then resolve every tensor against the config: names, shapes, dtype, ties, files."""
     plan = job.plan(replace=replace)
     logger = get_run_logger()

@@ -1,12 +1,11 @@
 import hashlib
-import math
 import re
 from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from mergeflow.job import MergeJob
+from mergeflow.job import CheckpointFound, MergeJob, MergeSteps
 from mergeflow.output.manifest import SavedModel
 from mergeflow.tasks.cache import merge_step
 from mergeflow.validation.report import ValidationReport
@@ -17,20 +16,26 @@ KEY_MAX_LENGTH = 90
 
 @merge_step("publish")
 def publish(
-    job: MergeJob, saved: SavedModel, report: ValidationReport, card: str | None, *, replace: bool = False
+    job: MergeJob,
+    saved: SavedModel,
+    report: ValidationReport,
+    checkpoint: CheckpointFound,
+    merged: MergeSteps | None = None,
+    *,
+    replace: bool = False,
 ) -> SavedModel:
     """Rename the validated staging folder into place as the target (a folder that failed validation is not
-    published), and publish a summary and the largest differences as artifacts; return the target's manifest."""
+    published), and publish a summary and the largest differences as artifacts; return the target's manifest.
+    `merged`: what the merge's steps found (None for a checkpoint that held the Hugging Face model)."""
     published = job.publish(saved, report, replace=replace)
-    get_run_logger().info("published %s", published.target_dir)
-    checkpoint_dir = job.layout().checkpoint_dir
+    get_run_logger().info("published %s", published.folder)
     create_markdown_artifact(
-        key=artifact_key("merge-summary", checkpoint_dir, published.target_dir),
-        markdown=summary_markdown(job, published, report),
-        description=f"mergeflow: {checkpoint_dir}",
+        key=artifact_key("merge-summary", checkpoint.checkpoint_dir, published.folder),
+        markdown=summary_markdown(checkpoint, merged, published, report),
+        description=f"mergeflow: {checkpoint.checkpoint_dir}",
     )
     create_table_artifact(
-        key=artifact_key("merge-differences", checkpoint_dir, published.target_dir),
+        key=artifact_key("merge-differences", checkpoint.checkpoint_dir, published.folder),
         table=[
             {
                 "tensor": d.name,
@@ -58,32 +63,29 @@ def artifact_key(kind: str, checkpoint_dir: str, target_dir: str) -> str:
     return f"{kind}-{slug}"[: KEY_MAX_LENGTH - len(digest) - 1].rstrip("-") + f"-{digest}"
 
 
-def summary_markdown(job: MergeJob, saved: SavedModel, report: ValidationReport) -> str:
-    from mergeflow.lora import describe_lora
-
-    layout = job.layout()
+def summary_markdown(
+    checkpoint: CheckpointFound, merged: MergeSteps | None, saved: SavedModel, report: ValidationReport
+) -> str:
     rows = [
-        ("source", f"`{layout.checkpoint_dir}`"),
-        ("backend", job.options.backend),
-        ("world size", str(layout.world_size)),
+        ("source", f"`{checkpoint.checkpoint_dir}`"),
+        ("backend", checkpoint.backend),
+        ("world size", str(checkpoint.world_size)),
         ("dtype", saved.dtype),
         ("tensors", f"{saved.num_tensors} in {len(saved.weight_files)} file(s), {saved.total_size:,} bytes"),
-        ("output", f"`{saved.target_dir}`"),
+        ("output", f"`{saved.folder}`"),
         ("time", f"{saved.seconds:.1f} s"),
         ("reference", f"`{report.reference_dir}`" if report.reference_dir else "none"),
         ("validation", "passed" if report.passed else "**failed**"),
     ]
-    if layout.model_dir is None:
-        plan, _ = job.merge_plan()
-        facts = job.index().facts()
+    if merged is not None:
+        facts = merged.shards.facts
         rows[3:3] = [(name.replace("_", " "), str(value)) for name, value in facts.items() if value is not None]
-        if plan is not None:
-            rows.append(("parameters", f"{sum(math.prod(t.shape) for t in plan.tensors.values()):,}"))
-        if job.lora() is not None:
-            rows.append(("LoRA", describe_lora(job.lora())))
+        rows.append(("parameters", f"{merged.plan.parameters:,}"))
+        if merged.lora.description is not None:
+            rows.append(("LoRA", merged.lora.description))
     if report.logits is not None:
         rows.append(("logits", report.logits.message))
-    lines = [f"# Merge of `{layout.checkpoint_dir}`", "", "| | |", "| --- | --- |"]
+    lines = [f"# Merge of `{checkpoint.checkpoint_dir}`", "", "| | |", "| --- | --- |"]
     lines += [f"| {name} | {value} |" for name, value in rows]
     lines += ["", "## Files", "", "| file | bytes |", "| --- | ---: |"]
     lines += [f"| {file.name} | {file.size:,} |" for file in saved.files]

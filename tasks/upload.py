@@ -8,12 +8,10 @@ from prefect.tasks import exponential_backoff
 
 from mergeflow.errors import UploadError
 from mergeflow.hub import UploadResult, upload_model
+from mergeflow.options import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS
 from mergeflow.output.manifest import SavedModel
 from mergeflow.tasks.publish import artifact_key
 
-UPLOAD_RETRIES = 6
-UPLOAD_RETRY_DELAY_SECONDS = 10.0
-"""First delay between attempts; each retry doubles it (10, 20, 40, ... 320 s: ten minutes in all), with jitter."""
 RETRY_JITTER_FACTOR = 0.5
 MAX_RETRY_AFTER_SECONDS = 600.0
 
@@ -43,20 +41,20 @@ def upload(
     token_secret: str | None = None,
 ) -> UploadResult:
     """Upload the merged folder to the Hub; a rate limit's Retry-After is waited out before the next attempt."""
-    target_dir = saved.target_dir
+    folder = saved.folder
     token = _token_from_secret(token_secret)
     try:
         result = upload_model(
-            Path(target_dir), repo_id, revision=revision, private=private, token=token, commit_message=commit_message
+            Path(folder), repo_id, revision=revision, private=private, token=token, commit_message=commit_message
         )
     except UploadError as e:
         if e.retry_after:
             get_run_logger().warning("the Hub asked to wait %.0f s before retrying", e.retry_after)
             time.sleep(min(e.retry_after, MAX_RETRY_AFTER_SECONDS))
         raise
-    get_run_logger().info("uploaded %s to %s@%s: %s", target_dir, repo_id, revision, result.commit_url)
+    get_run_logger().info("uploaded %s to %s@%s: %s", folder, repo_id, revision, result.commit_url)
     create_link_artifact(
-        key=artifact_key("hub-upload", checkpoint_dir, target_dir),
+        key=artifact_key("hub-upload", checkpoint_dir, folder),
         link=result.commit_url,
         link_text=f"{repo_id}@{revision}",
         description=f"mergeflow upload of {checkpoint_dir}",

@@ -23,14 +23,14 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="mergeflow-prefect-home-")
 import pytest
 from filelock import FileLock
 
-from mergeflow.testing.fsdp import Fixture, FixtureSpec, fixture_at, write_fixtures
-from mergeflow.testing.megatron import (
+from mergeflow.demo.fsdp import Fixture, FixtureSpec, fixture_at, write_fixtures
+from tests import vllm_venv
+from tests.writers.megatron import (
     MegatronFixture,
     MegatronFixtureSpec,
     megatron_fixture_at,
     write_megatron_fixtures,
 )
-from tests import vllm_venv
 
 GENERATION_CONFIG = {
     "do_sample": True,

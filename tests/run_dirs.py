@@ -4,8 +4,8 @@ the tracker file last."""
 import shutil
 from pathlib import Path
 
-from mergeflow.run_layout import TRACKER_FILE
-from mergeflow.testing.fsdp import Fixture
+from mergeflow.demo.fsdp import Fixture
+from mergeflow.formats.verl_run import TRACKER_FILE
 
 
 def save_step(fixture: Fixture, run_dir: Path, step: int, *, update_tracker: bool = True) -> Path:

@@ -12,6 +12,7 @@ import torch
 
 from mergeflow.errors import OutputError
 from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.options import MergeOptions
 from tests.merging import load_weights
 from tests.prefect_runs import task_runs_named, task_runs_of
 
@@ -111,7 +112,7 @@ def test_an_option_that_changes_the_output_is_a_new_merge(fixtures, target_dir):
     checkpoint = fixtures["qwen2-ws2"].checkpoint_dir
     merge(checkpoint, target_dir)
 
-    again = merge(checkpoint, target_dir, dtype="fp32", overwrite=True)
+    again = merge(checkpoint, target_dir, options=MergeOptions(dtype="fp32"), overwrite=True)
 
     assert publish_run(again).state.name == "Completed"
     assert {tensor.dtype for tensor in load_weights(target_dir).values()} == {torch.float32}

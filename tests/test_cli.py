@@ -5,6 +5,7 @@ import json
 import pytest
 
 from mergeflow.cli import build_parser, main
+from mergeflow.options import MergeOptions
 from tests.merging import load_weights
 
 
@@ -193,6 +194,8 @@ def test_automated_merges_take_drop_mtp(argv):
 def test_both_served_deployments_pass_drop_mtp_to_their_merges():
     from mergeflow.deployments.serve import ServeOptions, build_deployments
 
-    deployments = build_deployments(ServeOptions(run_dirs=["/runs/a"], output_dir="/models", drop_mtp=True))
+    served = ServeOptions(run_dirs=["/runs/a"], output_dir="/models", options=MergeOptions(drop_mtp=True))
 
-    assert [deployment.parameters["drop_mtp"] for deployment in deployments] == [True, True]
+    deployments = build_deployments(served)
+
+    assert [deployment.parameters["options"]["drop_mtp"] for deployment in deployments] == [True, True]

@@ -3,8 +3,8 @@ line naming the flag or value (with the closest valid flag), at most one hint, a
 
 import pytest
 
-from mergeflow import __version__
 from mergeflow.cli import EXIT_BAD_INPUT, build_parser
+from mergeflow.version import __version__
 from tests.cli_runs import run_cli
 
 

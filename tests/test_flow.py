@@ -95,7 +95,7 @@ def test_flow_returns_a_manifest_of_the_written_files(fixtures, target_dir):
     saved = merge(fixtures, target_dir).result()
 
     assert {file.name for file in saved.files} >= {"model.safetensors", "config.json", "tokenizer.json"}
-    assert saved.target_dir == str(target_dir.absolute())
+    assert saved.folder == str(target_dir.absolute())
 
 
 def test_failing_step_fails_the_flow_run_at_that_task(copy_checkpoint, target_dir):

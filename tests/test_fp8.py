@@ -10,8 +10,9 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from mergeflow import fp8
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.output import fp8
+from mergeflow.options import MergeOptions
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import INPUT_IDS, load_weights, merge_with_engine, model_class
 
@@ -226,7 +227,7 @@ def test_the_flow_reports_each_fp8_weights_rounding_error(fixtures, tmp_path):
     saved = merge_checkpoint(
         local_dir=str(fixtures["qwen2-wide-ws2"].checkpoint_dir),
         target_dir=str(tmp_path / "out"),
-        quantize="fp8",
+        options=MergeOptions(quantize="fp8"),
         check_logits=True,
         test_hf_dir=str(fixtures["qwen2-wide-ws2"].reference_dir),
         progress=False,
@@ -239,7 +240,6 @@ def test_the_flow_reports_each_fp8_weights_rounding_error(fixtures, tmp_path):
 
 def test_fp8_is_part_of_the_merges_identity(fixtures, tmp_path):
     from mergeflow.job import MergeJob
-    from mergeflow.options import MergeOptions
 
     checkpoint = fixtures["qwen2-ws2"].checkpoint_dir
 

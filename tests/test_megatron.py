@@ -2,7 +2,7 @@
 
 Where no writer of a model's layout runs here, the fixture is derived from the writer's source and says so: Qwen3-VL
 and Qwen3-VL-MoE are Megatron-Bridge's module tree rebuilt from megatron-core's layers (Megatron-Bridge needs Python
-3.12), as is the Qwen3.5 vision tower (`mergeflow.testing.megatron_qwen3_vl`); their archives are still megatron-core's.
+3.12), as is the Qwen3.5 vision tower (`tests.writers.megatron_qwen3_vl`); their archives are still megatron-core's.
 """
 
 import json
@@ -22,15 +22,16 @@ import mergeflow.formats.megatron.dcp
 import mergeflow.formats.megatron.names
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.formats import find_checkpoint
 from mergeflow.formats.megatron.contents import CONTENTS_FILE
 from mergeflow.formats.megatron.index import index_megatron
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
+from mergeflow.formats.registry import find_checkpoint
+from mergeflow.options import MergeOptions
 from mergeflow.spec.model_spec import load_model_spec
-from mergeflow.testing.megatron import LOGITS_INPUT_IDS
 from mergeflow.validation.validate import validate_model_dir
 from tests.conftest import MEGATRON_FIXTURE_NAMES, MEGATRON_FIXTURE_SPECS
 from tests.merging import load_weights, logits, merge_with_engine, model_class, resaved_megatron_checkpoint
+from tests.writers.megatron import LOGITS_INPUT_IDS
 
 REPO_ROOT = Path(__file__).parent.parent
 WITHOUT_PIPELINE = [spec.name for spec in MEGATRON_FIXTURE_SPECS if spec.pp == 1]
@@ -162,9 +163,8 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
     saved = merge_checkpoint(
         local_dir=str(fixture.checkpoint_dir),
         target_dir=str(target_dir),
-        backend="megatron",
+        options=MergeOptions(backend="megatron", dtype="keep"),
         test_hf_dir=str(fixture.reference_dir),
-        dtype="keep",
         progress=False,
     )
 
@@ -257,13 +257,13 @@ def test_metadata_that_asks_for_code_is_refused_without_running_it(tmp_path):
 def test_the_engine_never_imports_megatron_core():
     code = (
         "import sys, mergeflow.cli, mergeflow.flows.merge, mergeflow.flows.verify, mergeflow.formats.megatron.index;"
-        "print(sorted(m for m in ('megatron', 'mergeflow.testing') if m in sys.modules))"
+        "print(sorted(m for m in ('megatron', 'mergeflow.demo') if m in sys.modules))"
     )
 
     imported = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
 
     assert imported.stdout.strip() == "[]"
-    sources = [p for folder in ("mergeflow", "tasks", "flows") for p in (REPO_ROOT / folder).rglob("*.py") if "testing" not in p.parts]
+    sources = [p for folder in ("mergeflow", "tasks", "flows") for p in (REPO_ROOT / folder).rglob("*.py")]
     assert not [p for p in sources if "import megatron" in p.read_text() or "from megatron" in p.read_text()]
 
 
@@ -290,7 +290,9 @@ def mbridge_checkpoint(megatron_fixtures, tmp_path):
 def test_huggingface_weights_already_saved_are_copied_byte_for_byte(mbridge_checkpoint, target_dir):
     _, checkpoint_dir, hf_dir = mbridge_checkpoint
 
-    merge_checkpoint(local_dir=str(checkpoint_dir), target_dir=str(target_dir), backend="megatron", progress=False)
+    merge_checkpoint(
+        local_dir=str(checkpoint_dir), target_dir=str(target_dir), options=MergeOptions(backend="megatron"), progress=False
+    )
 
     copied = {path.name: path.read_bytes() for path in hf_dir.iterdir()}
     assert {name: (target_dir / name).read_bytes() for name in copied} == copied
@@ -304,7 +306,7 @@ def test_copied_model_is_validated_against_the_reference(mbridge_checkpoint, tar
     saved = merge_checkpoint(
         local_dir=str(checkpoint_dir),
         target_dir=str(target_dir),
-        backend="megatron",
+        options=MergeOptions(backend="megatron"),
         test_hf_dir=str(fixture.reference_dir),
         progress=False,
     )

@@ -1,7 +1,7 @@
 """LoRA adapters trained with verl's Megatron backend give a PEFT adapter, or a model with the LoRA folded in.
 
 Megatron-Bridge, which trains them for verl, needs Python 3.12 and cannot run here: the adapters' layout is
-derived from its source (`mergeflow.testing.megatron_lora`), beside a base model that megatron-core saved.
+derived from its source (`tests.writers.megatron_lora`), beside a base model that megatron-core saved.
 """
 
 import json
@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mergeflow.errors import CheckpointError
-from mergeflow.testing.megatron_lora import trained_lora, write_lora_run
 from tests.merging import INPUT_IDS, merge_with_engine
+from tests.writers.megatron_lora import trained_lora, write_lora_run
 
 BASE_FIXTURE = "megatron-qwen2-tp1"
 ALPHA = 8

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 
+from mergeflow.run_layout import target_path
+
 pytestmark = [pytest.mark.usefixtures("prefect_server"), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +42,9 @@ def test_event_trigger_keeps_its_templates_for_the_event(deployed):
     (automation,) = [a for a in automations if a.actions[0].deployment_id == deployed["on-checkpoint"].id]
     parameters = automation.actions[0].parameters
     assert parameters["local_dir"] == "{{ event.payload.local_dir }}"
-    assert parameters["target_dir"] == "/models/{{ event.payload.run }}/global_step_{{ event.payload.step }}/{{ event.payload.role }}"
+    field = "{{{{ event.payload.{} }}}}".format
+    assert parameters["target_dir"] == target_path("/models", field("run"), field("step"), field("role"))
+    assert parameters["options"]["backend"] == field("backend")
 
 
 def test_sweep_runs_on_a_schedule_over_the_configured_run(deployed):

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mergeflow.cli import EXIT_BAD_INPUT, main
-from mergeflow.testing.remote_code import remote_code_files
+from mergeflow.demo.remote_code import remote_code_files
 from tests.merging import INPUT_IDS, load_weights
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

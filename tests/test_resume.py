@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.options import MergeOptions
 from mergeflow.output.staging import STAGING_PREFIX
 from tests.merging import merge_with_engine
 
@@ -49,7 +50,7 @@ def _identity(path):
 
 def resume(checkpoint, target_dir):
     return merge_checkpoint(
-        local_dir=str(checkpoint), target_dir=str(target_dir), max_shard_size=SHARD_SIZE, progress=False
+        local_dir=str(checkpoint), target_dir=str(target_dir), options=MergeOptions(max_shard_size=SHARD_SIZE), progress=False
     )
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mergeflow.testing.models import CHAT_TEMPLATE
+from mergeflow.demo.models import CHAT_TEMPLATE
 from tests.merging import load_weights, merge_with_engine
 
 

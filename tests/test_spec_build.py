@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats.fsdp.layout import default_config_dir
+from mergeflow.formats.verl_run import default_config_dir
 from mergeflow.spec import cache as spec_cache
 from mergeflow.spec import model_spec
 from mergeflow.spec.build import SpecBuild

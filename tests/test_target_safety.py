@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 from mergeflow.cli import EXIT_BAD_INPUT
+from mergeflow.demo.fsdp import Fixture
 from mergeflow.errors import OutputError
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.testing.fsdp import Fixture
 from tests.cli_runs import run_cli
 
 CHECKPOINT = "qwen2-ws2"

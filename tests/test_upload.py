@@ -12,6 +12,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFi
 
 from mergeflow.errors import OptionError, UploadError
 from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.options import HubUpload
 from mergeflow.validation.validate import validate_model_dir
 from tests.hub_server import FakeHub, Fault
 from tests.prefect_runs import API_WAIT_SECONDS
@@ -34,15 +35,14 @@ def hub(monkeypatch):
     server.stop()
 
 
-def merge_and_upload(fixture, target_dir: Path, **options):
+def merge_and_upload(fixture, target_dir: Path, *, overwrite: bool = False, **upload):
     return merge_checkpoint(
         local_dir=str(fixture.checkpoint_dir),
         target_dir=str(target_dir),
-        hf_upload_path=options.pop("hf_upload_path", REPO),
-        upload_retry_delay_seconds=FAST_RETRY_SECONDS,
+        hub=HubUpload(**{"repo_id": REPO, "retry_delay_seconds": FAST_RETRY_SECONDS, **upload}),
+        overwrite=overwrite,
         progress=False,
         return_state=True,
-        **options,
     )
 
 
@@ -170,7 +170,7 @@ def test_a_rerun_after_a_failed_commit_sends_no_lfs_object_twice(fixtures, hub, 
 
 
 def test_an_invalid_repo_id_fails_before_merging(fixtures, hub, target_dir):
-    state = merge_and_upload(fixtures["qwen2-ws2"], target_dir, hf_upload_path="not a repo id")
+    state = merge_and_upload(fixtures["qwen2-ws2"], target_dir, repo_id="not a repo id")
 
     with pytest.raises(OptionError, match="invalid --hf_upload_path 'not a repo id'"):
         state.result()
@@ -185,7 +185,7 @@ def test_the_token_can_come_from_a_prefect_secret_block(fixtures, hub, target_di
     monkeypatch.delenv("HF_TOKEN")
     monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
 
-    state = merge_and_upload(fixtures["qwen2-ws2"], target_dir, hf_token_secret="mergeflow-test-hub-token")
+    state = merge_and_upload(fixtures["qwen2-ws2"], target_dir, token_secret="mergeflow-test-hub-token")
 
     assert state.is_completed()
     assert all(request.authorized for request in hub.requests if not request.path.startswith("/lfs-upload/"))

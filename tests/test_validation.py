@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from mergeflow.cli import EXIT_VALIDATION_FAILED, main
 from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.options import MergeOptions
 from mergeflow.tasks.publish import artifact_key
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import merge_with_engine
@@ -303,7 +304,7 @@ class TestCommands:
         state = merge_checkpoint(
             local_dir=checkpoint,
             target_dir=str(target_dir),
-            dtype="keep",
+            options=MergeOptions(dtype="keep"),
             test_hf_dir=str(fixtures[CHECKPOINT].reference_dir),
             progress=False,
             return_state=True,

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from mergeflow.deployments.watcher import CheckpointWatcher, event_id
-from mergeflow.run_layout import TRACKER_FILE
+from mergeflow.formats.verl_run import TRACKER_FILE
 from tests.run_dirs import save_step
 
 WAIT_SECONDS = 10

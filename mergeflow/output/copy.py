@@ -8,8 +8,8 @@ from pathlib import Path
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.output.manifest import SavedModel, describe_files
+from mergeflow.output.model_folder import SafetensorsFolder, dominant_floating_dtype, nbytes
 from mergeflow.spec.config_files import CONFIG_FILE
-from mergeflow.validation.model_folder import SafetensorsFolder, dominant_floating_dtype, nbytes
 
 
 def copy_model_folder(source_dir: Path, output_dir: Path) -> SavedModel:
@@ -23,7 +23,7 @@ def copy_model_folder(source_dir: Path, output_dir: Path) -> SavedModel:
     weights = SafetensorsFolder(Path(output_dir))
     dominant = dominant_floating_dtype(weights)
     return SavedModel(
-        target_dir=str(output_dir),
+        folder=str(output_dir),
         files=describe_files(Path(output_dir), {}),
         weight_files=tuple(weights.files),
         total_size=sum(nbytes(weights.info(name)) for name in weights.names()),

@@ -18,7 +18,7 @@ class ShardWritten:
     resumed: bool = False
     """Found finished in the output folder (written ahead before the flow reached it, or by an interrupted run)."""
     written_ahead_for: int | None = None
-    """The process id of the command whose write-ahead child wrote it (`MergeJob.writing_ahead`), if one did."""
+    """The process id of the command whose write-ahead child wrote it (`mergeflow.write_ahead`), if one did."""
     fp8_errors: dict[str, float] = field(default_factory=dict)
     """Each FP8 weight's largest relative rounding error against the tensor it was quantized from."""
     fp8_outside: tuple[str, ...] = ()
@@ -49,9 +49,10 @@ class OutputFile:
 class SavedModel:
     """A small manifest of what a merge wrote (no tensors)."""
 
-    target_dir: str
+    folder: str
+    """Where the files are: the staging folder until the model is published, then the target (`published`)."""
     files: tuple[OutputFile, ...]
-    """Every file written, by its path relative to `target_dir`."""
+    """Every file written, by its path relative to `folder`."""
     weight_files: tuple[str, ...]
     total_size: int
     num_tensors: int
@@ -64,6 +65,8 @@ class SavedModel:
     """For an FP8 model: each quantized weight's largest relative rounding error against its source."""
     fp8_outside: tuple[str, ...] = ()
     """FP8 weights with an element outside the rounding bound of their source."""
+    published: bool = False
+    """`folder` is the target, renamed into place after validation."""
     up_to_date: bool = False
     """The run that returned it found this merge's output in place and wrote nothing (a cache hit)."""
 
@@ -97,7 +100,7 @@ def describe_files(folder: Path, known_sha256: dict[str, str]) -> tuple[OutputFi
 
 
 def output_intact(saved: SavedModel) -> bool:
-    """Whether `saved.target_dir` holds exactly the files the manifest lists, unchanged (by size and mtime)."""
-    folder = Path(saved.target_dir)
+    """Whether `saved.folder` holds exactly the files the manifest lists, unchanged (by size and mtime)."""
+    folder = Path(saved.folder)
     recorded = sorted((file.name, file.size, file.mtime_ns) for file in saved.files)
     return folder.is_dir() and file_listing(folder) == recorded

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import torch
 
+from mergeflow import fp8
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.formats.base import TensorIndex, TensorSource
 from mergeflow.lora import LoraFold
-from mergeflow.output import fp8
 from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
 from mergeflow.planning import OutputTensor
 

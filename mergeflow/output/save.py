@@ -15,7 +15,6 @@ from tqdm.auto import tqdm
 
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.formats.base import TensorIndex
-from mergeflow.lora import ADAPTER_SUBDIR
 from mergeflow.options import is_hub_model_id
 from mergeflow.output.manifest import SavedModel, ShardWritten, describe_files
 from mergeflow.output.materialize import PlannedTensors
@@ -25,6 +24,7 @@ from mergeflow.output.writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.planning import AdapterPlan, MergePlan, OutputTensor
 from mergeflow.spec.config_files import CONFIG_FILE, WEIGHT_INDEX_FILE
 from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, write_generation_config
+from mergeflow.spec.peft_names import ADAPTER_SUBDIR
 
 DONE_SUFFIX = ".done"
 PARTIAL_SUFFIX = ".partial"
@@ -77,7 +77,7 @@ def describe_output(
     clear_shard_markers(folder)
     weights = plan if plan is not None else adapter.weights
     return SavedModel(
-        target_dir=str(folder),
+        folder=str(folder),
         files=describe_files(folder, {shard.name: shard.sha256 for shard in written}),
         fp8_errors={name: error for shard in written for name, error in shard.fp8_errors.items()},
         fp8_outside=tuple(name for shard in written for name in shard.fp8_outside),
@@ -91,9 +91,9 @@ def describe_output(
 
 
 def relocated(saved: SavedModel, target_dir: Path) -> SavedModel:
-    """The same manifest once its folder has been renamed to `target_dir`."""
+    """The same manifest once its folder has been published: renamed to `target_dir`."""
     adapter_dir = str(target_dir / ADAPTER_SUBDIR) if saved.adapter_dir is not None else None
-    return dataclasses.replace(saved, target_dir=str(target_dir), adapter_dir=adapter_dir)
+    return dataclasses.replace(saved, folder=str(target_dir), adapter_dir=adapter_dir, published=True)
 
 
 def write_adapter(

@@ -9,8 +9,8 @@ import torch
 from mergeflow.dtypes import parse_dtype_name
 from mergeflow.formats.base import TensorIndex
 from mergeflow.output.materialize import PlannedTensors
+from mergeflow.output.model_folder import TensorInfo
 from mergeflow.planning import MergePlan
-from mergeflow.validation.model_folder import TensorInfo
 
 
 class MergedCheckpoint:

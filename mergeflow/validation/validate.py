@@ -14,15 +14,10 @@ from pathlib import Path
 
 import torch
 
+from mergeflow import fp8
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
-from mergeflow.lora import ADAPTER_SUBDIR
-from mergeflow.output import fp8
-from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
-from mergeflow.planning import mtp_layer_names
-from mergeflow.spec.config_files import CONFIG_FILE
-from mergeflow.spec.model_spec import load_model_spec, swapped
-from mergeflow.validation.model_folder import (
+from mergeflow.output.model_folder import (
     SafetensorsFolder,
     TensorInfo,
     completeness_problems,
@@ -30,6 +25,11 @@ from mergeflow.validation.model_folder import (
     open_model_folder,
     weight_counts,
 )
+from mergeflow.output.streaming import CHUNK_BYTES, row_ranges
+from mergeflow.planning import mtp_layer_names
+from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.spec.model_spec import load_model_spec, swapped
+from mergeflow.spec.peft_names import ADAPTER_SUBDIR
 from mergeflow.validation.report import LogitsCheck, TensorDifference, ValidationReport
 
 LOGITS_TOLERANCES: dict[torch.dtype, float] = {

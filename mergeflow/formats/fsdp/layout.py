@@ -8,21 +8,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError, quoted
+from mergeflow.formats.verl_run import default_config_dir, wrong_level_hint
 
 if TYPE_CHECKING:
     from mergeflow.formats.fsdp.index import ShardIndex
     from mergeflow.spec.model_spec import ModelSpec
 
 FSDP_CONFIG_FILE = "fsdp_config.json"
-HF_SUBDIR = "huggingface"
 RANK_FILE_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
-ROLE_SUBDIRS = ("actor", "critic")
 TRUNCATED_HINT = "the copy or the save did not finish: copy the file again from where training saved it"
-
-
-def default_config_dir(checkpoint_dir: Path) -> Path:
-    """The `huggingface/` folder verl saves beside the rank files (config, tokenizer)."""
-    return Path(checkpoint_dir) / HF_SUBDIR
 
 
 def rank_file_name(world_size: int, rank: int) -> str:
@@ -158,20 +152,12 @@ def _read_fsdp_config(checkpoint_dir: Path) -> tuple[int | None, int | None]:
     return world_size, int(version) if version is not None else None
 
 
+def is_training_file(name: str, is_dir: bool) -> bool:
+    """A rank file or verl's `fsdp_config.json`."""
+    return not is_dir and (name == FSDP_CONFIG_FILE or bool(RANK_FILE_PATTERN.match(name)))
+
+
 def _not_a_checkpoint_message(directory: Path) -> str:
-    """Say which path to pass when the user pointed at the run root or at `global_step_N/`."""
     message = f"not an FSDP checkpoint: {directory} has no model_world_size_*_rank_*.pt files"
-    roles = [directory / role for role in ROLE_SUBDIRS if detect(directory / role)]
-    if roles:
-        return f"{message}; pass the role directory instead: {' or '.join(map(str, roles))}"
-    steps = sorted(
-        (
-            p
-            for p in directory.glob("global_step_*")
-            if p.is_dir() and p.name.removeprefix("global_step_").isdigit()
-        ),
-        key=lambda p: int(p.name.removeprefix("global_step_")),
-    )
-    if steps:
-        return f"{message}; this looks like a verl run directory, pass a checkpoint such as {steps[-1] / 'actor'}"
-    return message
+    hint = wrong_level_hint(directory, detect)
+    return f"{message}; {hint}" if hint else message

@@ -40,8 +40,8 @@ from mergeflow.formats.megatron.names import (
     split_part,
     targets,
 )
-from mergeflow.lora import PEFT_PREFIX, lora_tensor_names
 from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec, load_config
+from mergeflow.spec.peft_names import PEFT_PREFIX, lora_tensor_names
 
 ANY_DECODER_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 """A decoder layer's tensor, in a language model or in a vision-language model's language model."""

@@ -8,8 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats.fsdp.layout import HF_SUBDIR, ROLE_SUBDIRS
-from mergeflow.formats.megatron.contents import CONTENTS_FILE, HF_FORMAT, CheckpointContents, read_contents
+from mergeflow.formats.megatron.contents import (
+    CONTENTS_FILE,
+    HF_FORMAT,
+    CheckpointContents,
+    is_v2_layout,
+    read_contents,
+)
+from mergeflow.formats.verl_run import HF_SUBDIR, ROLE_SUBDIRS
 
 if TYPE_CHECKING:
     from mergeflow.formats.megatron.index import MegatronIndex
@@ -126,6 +132,27 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
         f"not a Megatron checkpoint: {local_dir} has neither {MODEL_SUBDIR}/{DIST_CKPT_SUBDIR}/ nor "
         f"{DIST_CKPT_SUBDIR}/{hint}"
     )
+
+
+def recognises(local_dir: Path) -> bool:
+    """Whether the directory is in one of the layouts `find_megatron_checkpoint` reads."""
+    try:
+        find_megatron_checkpoint(local_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
+def is_complete(local_dir: Path) -> bool:
+    """verl's v2 layout writes `ckpt_contents.json` last: a v2 checkpoint without it is still being saved."""
+    return not is_v2_layout(local_dir) or (local_dir / CONTENTS_FILE).is_file()
+
+
+def is_training_file(name: str, is_dir: bool) -> bool:
+    """`dist_ckpt/`, the archive's `.metadata` and data files, and verl's manifest."""
+    if is_dir:
+        return name == DIST_CKPT_SUBDIR
+    return name in (METADATA_FILE, CONTENTS_FILE) or bool(DATA_FILE.match(name))
 
 
 def _from_contents(local_dir: Path, contents: CheckpointContents) -> MegatronLayout:

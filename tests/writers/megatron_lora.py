@@ -19,10 +19,10 @@ import torch
 import torch.distributed.checkpoint
 from peft import PeftModel
 
+from mergeflow.demo.fsdp import TRACKER_FILE
+from mergeflow.demo.models import tiny_lora
 from mergeflow.formats.megatron.dcp import read_metadata, read_slice
-from mergeflow.testing.fsdp import TRACKER_FILE
-from mergeflow.testing.megatron import MegatronFixture, fused_qkv
-from mergeflow.testing.models import tiny_lora
+from tests.writers.megatron import MegatronFixture, fused_qkv
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Megatron-Bridge's default LoRA targets (`linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`), by HF name."""

@@ -1,4 +1,4 @@
-"""Run the ranks of a fixture writer: `python -m mergeflow.testing.ranks WORKER JOBS.json`, torch.distributed's
+"""Run the ranks of a fixture writer: `python -m mergeflow.demo.ranks WORKER JOBS.json`, torch.distributed's
 environment (WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set.
 
 The worker module (its imports: torch, transformers, peft, megatron-core, about 7 s of CPU) is imported once,

@@ -16,8 +16,13 @@ from safetensors import safe_open
 
 from mergeflow.dtypes import SAFETENSORS_CODES
 from mergeflow.errors import CheckpointError
-from mergeflow.lora import ADAPTER_CONFIG_FILE, ADAPTER_SUBDIR, ADAPTER_WEIGHTS_FILE, lora_tensor_names
 from mergeflow.spec.config_files import CONFIG_FILE, WEIGHT_INDEX_FILE
+from mergeflow.spec.peft_names import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_SUBDIR,
+    ADAPTER_WEIGHTS_FILE,
+    lora_tensor_names,
+)
 
 SAFETENSORS_FILE = "model.safetensors"
 BIN_FILE = "pytorch_model.bin"

@@ -20,7 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mergeflow.testing.megatron_vision import vision_tower_shape
+from tests.writers.megatron_vision import vision_tower_shape
 
 QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 TE_NORM_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}

@@ -1,7 +1,7 @@
 """Qwen3.5 (and Qwen3.5-MoE) and Qwen3-Next for the Megatron fixture writer: the language model is megatron-core's
 own hybrid decoder (its gated delta net layers between attention layers with an output gate, zero-centred norms),
 built from megatron-core 0.16.1's modules as Megatron-Bridge configures it for them; Qwen3.5's vision tower is
-Qwen3-VL's stand-in (`mergeflow.testing.megatron_qwen3_vl`). The HF weights are placed as Megatron-Bridge's
+Qwen3-VL's stand-in (`tests.writers.megatron_qwen3_vl`). The HF weights are placed as Megatron-Bridge's
 `Qwen35VLBridge` and `Qwen3NextBridge` map them (read from its source: it cannot run here).
 
 megatron-core builds these layers only from Transformer Engine's, which need CUDA: here megatron-core's local
@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from mergeflow.testing.megatron import fused_qkv
+from tests.writers.megatron import fused_qkv
 
 QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 LAYER = re.compile(r"^(?:decoder\.layers\.(\d+)\.|mtp\.layers\.(\d+)\.transformer_layer\.)")

@@ -1,0 +1,103 @@
+"""What speeds a merge up from outside its steps, behind two calls used alike by the CLI, the bench and the tests:
+`warm_up(job)` starts reading the checkpoint ahead and, for a config not seen before, building its spec in a
+child process; `writing_ahead(job)` has a child process write the weight files into the staging folder while
+the caller imports Prefect and waits for its server. The flow's own shard steps then find them written and keep
+them (`output.save.write_shard`). Both are for a target not written yet, and leave problems to the steps."""
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from mergeflow.job import MergeJob
+from mergeflow.options import MergeOptions
+from mergeflow.output.shard_locks import WRITERS_LOCK, open_to_writers, shard_writers
+from mergeflow.spec.build import SpecBuild, child_environment
+
+
+def warm_up(job: MergeJob) -> None:
+    """Start reading the checkpoint ahead and, for a config not seen before, building its spec in a child process;
+    both run while this process imports torch and the rest."""
+    try:
+        if target_written(job):
+            return
+        job.start_read_ahead(job.layout().data_files)
+        SpecBuild(job.config_dir(), **job.spec_options())
+    except Exception:
+        return
+
+
+@contextlib.contextmanager
+def writing_ahead(job: MergeJob) -> Iterator[None]:
+    """Have a child process (which first warms up) write the weight files into the staging folder while the block
+    runs, on a core of its own, without sharing this process's GIL. The child stops when the block ends or the
+    staging folder goes (the flow removes it when it fails, renames it when it publishes)."""
+    if target_written(job):
+        yield
+        return
+    open_to_writers(job.staging_dir)
+    arguments = {
+        "local_dir": job.local_dir,
+        "target_dir": job.target_dir,
+        "options": dataclasses.asdict(job.options),
+        "parent": os.getpid(),
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", __name__, json.dumps(arguments)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=child_environment(),
+    )
+    try:
+        yield
+    finally:
+        child.terminate()
+        child.wait()
+        _remove_if_unused(job.staging_dir)
+
+
+def write_weights(job: MergeJob, parent: int) -> None:
+    """Warm up, then write the weight files into the staging folder while it is open to writers and process
+    `parent` lives (what `writing_ahead`'s child does)."""
+    warm_up(job)
+    plan, _ = job.merge_plan()
+    if plan is None:
+        return
+    with shard_writers(job.staging_dir):
+        for filename in plan.shard_to_names:
+            if os.getppid() != parent:
+                return
+            job.write_shard(filename, written_ahead_for=parent)
+
+
+def target_written(job: MergeJob) -> bool:
+    """Whether the target holds files already (a cache hit, or a folder to replace): nothing to prepare."""
+    target = Path(job.target_dir)
+    return target.is_dir() and any(target.iterdir())
+
+
+def _remove_if_unused(staging_dir: Path) -> None:
+    """Remove a staging folder that holds nothing but its writers' lock (the flow never got to use it)."""
+    with contextlib.suppress(OSError):
+        (staging_dir / WRITERS_LOCK).unlink()
+        staging_dir.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mergeflow.write_ahead ARGUMENTS_JSON`: `writing_ahead`'s child."""
+    arguments = json.loads((argv or sys.argv[1:])[0])
+    job = MergeJob(arguments["local_dir"], arguments["target_dir"], MergeOptions(**arguments["options"]))
+    try:
+        write_weights(job, arguments["parent"])
+    except Exception:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
