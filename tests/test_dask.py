@@ -7,6 +7,7 @@ import pytest
 from mergeflow.errors import OptionError
 from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.flows.task_runners import task_runner_from
+from mergeflow.options import MergeOptions
 
 SHARD_SIZE = "12KB"
 
@@ -21,7 +22,7 @@ def merge_on(task_runner: str, fixtures, target_dir):
     return merge_checkpoint.with_options(task_runner=task_runner_from(task_runner))(
         local_dir=str(fixtures["qwen2-ws2"].checkpoint_dir),
         target_dir=str(target_dir),
-        max_shard_size=SHARD_SIZE,
+        options=MergeOptions(max_shard_size=SHARD_SIZE),
         progress=False,
     )
 

@@ -8,9 +8,9 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
+from mergeflow.demo.models import tiny_config
 from mergeflow.errors import CheckpointError, OptionError
 from mergeflow.lora import infer_lora_config
-from mergeflow.testing.models import tiny_config
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import INPUT_IDS, load_weights, merge_with_engine, model_class
 

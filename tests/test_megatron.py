@@ -237,7 +237,7 @@ def test_a_megatron_checkpoint_merged_as_fsdp_says_which_backend_to_pass(megatro
     with pytest.raises(CheckpointError, match="not an FSDP checkpoint") as refused:
         find_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir, "fsdp")
 
-    assert refused.value.hint == "it is a megatron checkpoint: pass --backend megatron"
+    assert refused.value.hint.endswith(": pass --backend megatron")
 
 
 def test_metadata_that_asks_for_code_is_refused_without_running_it(tmp_path):
