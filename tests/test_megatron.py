@@ -19,10 +19,10 @@ import torch.distributed.checkpoint
 from transformers import AutoConfig
 
 import mergeflow.formats.megatron.dcp
-import mergeflow.formats.megatron.names
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.formats.megatron.contents import CONTENTS_FILE
+from mergeflow.formats.megatron.families import FAMILIES
 from mergeflow.formats.megatron.index import index_megatron
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
 from mergeflow.formats.registry import find_checkpoint
@@ -176,17 +176,17 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
 @pytest.mark.parametrize(
     ("fixture", "table", "template", "key"),
     [
-        ("megatron-qwen2-tp1", "HF_FROM_MEGATRON", "decoder.layers.{layer}.mlp.linear_fc2.weight", "decoder.layers.mlp.linear_fc2.weight"),
+        ("megatron-qwen2-tp1", "table", "decoder.layers.{layer}.mlp.linear_fc2.weight", "decoder.layers.mlp.linear_fc2.weight"),
         (
             "megatron-qwen2moe-ep2",
-            "QWEN_MOE",
+            "table",
             "decoder.layers.{layer}.mlp.shared_experts.gate_weight",
             "decoder.layers.1.mlp.shared_experts.gate_weight",
         ),
-        ("megatron-qwen25vl-tp2", "QWEN2_5_VL_VISION", "patch_embed.proj.weight", "vision_model.patch_embed.proj.weight"),
+        ("megatron-qwen25vl-tp2", "vision", "patch_embed.proj.weight", "vision_model.patch_embed.proj.weight"),
         (
             "megatron-qwen3vl-tp2",
-            "QWEN3_VL_VISION",
+            "vision",
             "decoder.deepstack_merger_list.{index}.patch_norm.bias",
             "vision_model.decoder.deepstack_merger_list.patch_norm.bias",
         ),
@@ -194,9 +194,9 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
     ids=["dense", "expert", "vision tower", "deepstack merger"],
 )
 def test_a_key_the_tables_do_not_know_is_an_error_that_names_it(megatron_fixtures, monkeypatch, fixture, table, template, key):
-    monkeypatch.delitem(getattr(mergeflow.formats.megatron.names, table), template)
     layout = find_megatron_checkpoint(megatron_fixtures[fixture].checkpoint_dir)
-    model_type = megatron_fixtures[fixture].spec.model
+    model_type = json.loads((Path(layout.hf_dir) / "config.json").read_text())["model_type"]
+    monkeypatch.delitem(getattr(FAMILIES[model_type], table), template)
 
     with pytest.raises(PlanError, match=rf'unmapped key\(s\) for {model_type} .*"{re.escape(key)}"'):
         index_megatron(layout, load_model_spec(Path(layout.hf_dir)))

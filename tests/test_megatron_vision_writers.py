@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mergeflow.formats.megatron.names import RANK_HALVES, Geometry, per_rank, split_part
+from mergeflow.formats.megatron.cuts import RANK_HALVES, Geometry, per_rank, split_part
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import load_weights, merge_with_engine, resaved_megatron_checkpoint
 

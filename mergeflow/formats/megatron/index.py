@@ -20,26 +20,27 @@ import torch
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.errors import CheckpointError, PlanError, quoted
-from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
-from mergeflow.formats.megatron.layout import MegatronLayout
-from mergeflow.formats.megatron.names import (
+from mergeflow.formats.megatron.cuts import (
     COPY,
-    MTP_SHARED,
-    MTP_UNDER_ITS_OWN_NAMES,
     RANK_HALVES,
-    SUPPORTED_MODEL_TYPES,
-    TRAINING_STATE,
-    VALUE_HEAD,
     Geometry,
-    adapter_targets,
-    components_of,
-    locate,
     part_shape,
     per_rank,
     split_joined,
     split_part,
+)
+from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
+from mergeflow.formats.megatron.layout import MegatronLayout
+from mergeflow.formats.megatron.names import (
+    TRAINING_STATE,
+    VALUE_HEAD,
+    adapter_targets,
+    components_of,
+    family_of,
+    locate,
     targets,
 )
+from mergeflow.formats.megatron.tables import MTP_SHARED
 from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec, load_config
 from mergeflow.spec.peft_names import PEFT_PREFIX, lora_tensor_names
 
@@ -109,11 +110,10 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
             f"check it with `mergeflow validate {layout.hf_dir}`"
         )
     config = load_config(Path(spec.config_dir), trust_remote_code=spec.trust_remote_code)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise PlanError(
-            f'unknown architecture for the Megatron backend: model_type "{config.model_type}" '
-            f"({spec.architecture}) in {spec.config_dir}/config.json; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
-        )
+    try:
+        family = family_of(config)
+    except PlanError as error:
+        raise PlanError(f"{error} ({spec.architecture} in {spec.config_dir}/config.json)") from None
     components = components_of(config)
     geometry = components[0].geometry
     stored = {
@@ -162,7 +162,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     for (_, expert), parts in pieces.items():
         place(_joined([parts[position] for position in sorted(parts)]), expert)
     tensors |= {name: _all_experts(parts, geometry) for name, parts in expert_parts.items()}
-    if config.model_type in MTP_UNDER_ITS_OWN_NAMES:
+    if family.mtp_under_own_names:
         tensors = _mtp_layers_under_their_own_names(tensors, geometry)
     else:
         tensors |= _mtp_shared_tensors(tensors, geometry)
@@ -171,7 +171,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     if unmapped:
         raise PlanError(
             f"unmapped key(s) for {config.model_type} in {layout.dist_ckpt_dir}: {quoted(unmapped)}. "
-            "Add them to HF_FROM_MEGATRON (or TABLES_BY_MODEL_TYPE) in mergeflow/formats/megatron/names.py."
+            "Add them to the family's tables (mergeflow/formats/megatron/tables.py, families.py)."
         )
     return MegatronIndex(
         checkpoint_dir=layout.checkpoint_dir,
