@@ -11,7 +11,7 @@ from prefect.tasks import exponential_backoff
 from mergeflow.flows.prepare import prepare
 from mergeflow.hub import default_revision, training_step
 from mergeflow.job import MergeJob
-from mergeflow.options import DEFAULT_OPTIONS, HubUpload, MergeOptions, check_repo_id
+from mergeflow.options import DEFAULT_OPTIONS, HubUpload, MergeOptions, Reference, check_repo_id
 from mergeflow.output.manifest import SavedModel
 from mergeflow.run_layout import label_of
 from mergeflow.tasks.cache import merge_transaction
@@ -44,8 +44,7 @@ def merge_checkpoint(
     target_dir: str,
     options: MergeOptions = DEFAULT_OPTIONS,
     hub: HubUpload | None = None,
-    test_hf_dir: str | None = None,
-    check_logits: bool = False,
+    reference: Reference | None = None,
     overwrite: bool = False,
     refresh_cache: bool = False,
     progress: bool = True,
@@ -54,7 +53,7 @@ def merge_checkpoint(
 
     A merge whose inputs (by path, size and mtime), options, target and engine version are unchanged, and
     whose output is still in place, is a cache hit: every step shows Cached and nothing is read or written
-    (`refresh_cache` forces a new merge). A LoRA checkpoint gives the base model plus `lora_adapter/`, or
+    (`refresh_cache` forces a new merge). The merged folder is validated, against `reference` when given. A LoRA checkpoint gives the base model plus `lora_adapter/`, or
     with `options.merge_lora` the base model with the LoRA folded in. With `hub` the validated model is
     uploaded to the Hub, on `hub.revision` (default: a branch per training step, `step-N`); the token comes
     from HF_TOKEN, the huggingface_hub login, or the Prefect Secret block `hub.token_secret` names.
@@ -74,7 +73,7 @@ def merge_checkpoint(
             weight_files = merged.plan.weight_files
             written = [write_shard.submit(job, merged.plan, filename, progress=progress) for filename in weight_files]
             staged = save(job, [future.result() for future in written], wait_for=[merged.plan])
-        report = validate(job, staged, test_hf_dir, check_logits=check_logits)
+        report = validate(job, staged, reference)
         card = write_model_card(job, staged, report, checkpoint, merged.lora if merged else None)
         saved = publish(job, staged, report, checkpoint, merged, replace=replace, wait_for=[card])
         merge.record(saved)

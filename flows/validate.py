@@ -3,19 +3,14 @@
 from prefect import flow
 
 from mergeflow.errors import ValidationError
+from mergeflow.options import Reference
 from mergeflow.tasks.validate import validate_folder
 from mergeflow.validation.report import ValidationReport
 
 
 @flow(name="validate-model", flow_run_name="validate {target_dir}")
-def validate_model(
-    target_dir: str,
-    test_hf_dir: str | None = None,
-    check_logits: bool = False,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-) -> ValidationReport:
-    report = validate_folder(target_dir, test_hf_dir, check_logits=check_logits, atol=atol, rtol=rtol)
+def validate_model(target_dir: str, reference: Reference | None = None) -> ValidationReport:
+    report = validate_folder(target_dir, reference)
     if not report.passed:
         raise ValidationError(report.failure_message())
     return report

@@ -9,7 +9,7 @@ from prefect.runtime import flow_run
 from mergeflow.errors import ValidationError
 from mergeflow.flows.prepare import prepare
 from mergeflow.job import MergeJob
-from mergeflow.options import DEFAULT_OPTIONS, MergeOptions
+from mergeflow.options import DEFAULT_OPTIONS, MergeOptions, Reference
 from mergeflow.run_layout import label_of
 from mergeflow.tasks.compare_checkpoint import compare_checkpoint
 from mergeflow.tasks.detect_world_size import detect_world_size
@@ -26,22 +26,20 @@ def verify_run_name() -> str:
 @flow(name="test-checkpoint", flow_run_name=verify_run_name)
 def verify_checkpoint(
     local_dir: str,
-    test_hf_dir: str,
+    reference: Reference,
     options: MergeOptions = DEFAULT_OPTIONS,
     in_reference_dtype: bool = True,
-    atol: float = 0.0,
-    rtol: float = 0.0,
 ) -> ValidationReport:
-    """Merge in place and compare with `test_hf_dir`, in the reference's dtype (`in_reference_dtype`) or in
+    """Merge in place and compare with the reference, in the reference's dtype (`in_reference_dtype`) or in
     `options.dtype`. For a LoRA checkpoint the base model is compared, or with `options.merge_lora` the base
     with LoRA folded in."""
     if in_reference_dtype:
-        options = dataclasses.replace(options, dtype=reference_dtype_choice(Path(test_hf_dir)))
+        options = dataclasses.replace(options, dtype=reference_dtype_choice(Path(reference.test_hf_dir)))
     job = MergeJob(local_dir, None, options)
     key = fingerprint(job)
     checkpoint = detect_world_size(job, wait_for=[key])
     merged = prepare(job, checkpoint)
-    report = compare_checkpoint(job, test_hf_dir, atol=atol, rtol=rtol, wait_for=[merged.plan])
+    report = compare_checkpoint(job, reference, wait_for=[merged.plan])
     if not report.passed:
         raise ValidationError(report.failure_message())
     return report

@@ -31,6 +31,7 @@ from mergeflow.options import (
     QUANTIZE_CHOICES,
     HubUpload,
     MergeOptions,
+    Reference,
     check_repo_id,
 )
 from mergeflow.sizes import human_size
@@ -336,8 +337,7 @@ def run_merge(args: argparse.Namespace) -> int:
             target_dir=args.target_dir,
             options=job.options,
             hub=HubUpload.from_values(args),
-            test_hf_dir=args.test_hf_dir,
-            check_logits=args.check_logits,
+            reference=Reference.from_values(args),
             overwrite=args.overwrite,
             refresh_cache=args.refresh_cache,
             progress=args.progress,
@@ -356,11 +356,9 @@ def run_test(args: argparse.Namespace) -> int:
         _prefect_ready(server)
         report = verify_checkpoint(
             local_dir=args.local_dir,
-            test_hf_dir=args.test_hf_dir,
+            reference=Reference.from_values(args),
             options=MergeOptions.from_values(args),
             in_reference_dtype=args.dtype is None,
-            atol=args.atol,
-            rtol=args.rtol,
         )
     return _verdict(f"{args.local_dir}: {report.tensors_compared} tensors equal {args.test_hf_dir}")
 
@@ -370,13 +368,7 @@ def run_validate(args: argparse.Namespace) -> int:
         from mergeflow.flows.validate import validate_model
 
         _prefect_ready(server)
-        report = validate_model(
-            target_dir=args.target_dir,
-            test_hf_dir=args.test_hf_dir,
-            check_logits=args.check_logits,
-            atol=args.atol,
-            rtol=args.rtol,
-        )
+        report = validate_model(target_dir=args.target_dir, reference=Reference.from_values(args))
     return _verdict(f"{args.target_dir}: validation {report.verdict()}")
 
 

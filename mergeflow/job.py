@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from mergeflow.fingerprint import MergeKey, merge_key
 from mergeflow.formats.base import Layout
 from mergeflow.formats.registry import backend_named, find_checkpoint
-from mergeflow.options import MergeOptions
+from mergeflow.options import MergeOptions, Reference
 from mergeflow.output.staging import staging_dir_of
 from mergeflow.output.streaming import CHUNK_BYTES
 from mergeflow.perf.read_ahead import ReadAhead
@@ -250,23 +250,20 @@ class MergeJob:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         return copy_model_folder(Path(self.layout().model_dir), self.staging_dir)
 
-    def validate(
-        self, saved: "SavedModel", test_hf_dir: str | None = None, *, check_logits: bool = False
-    ) -> "ValidationReport":
+    def validate(self, saved: "SavedModel", reference: Reference | None = None) -> "ValidationReport":
         """Check the saved folder is complete and, given a reference, equal to it."""
-        from mergeflow.validation.validate import validate_model_dir
+        from mergeflow.validation.validate import reference_arguments, validate_model_dir
 
         return validate_model_dir(
             Path(saved.folder),
-            reference_dir=Path(test_hf_dir) if test_hf_dir else None,
-            check_logits=check_logits,
+            **reference_arguments(reference),
             shown_as=self.target_dir,
             fp8_errors=saved.fp8_errors,
             fp8_outside=saved.fp8_outside,
             mtp_dropped=self.options.drop_mtp,
         )
 
-    def compare(self, test_hf_dir: str, *, atol: float = 0.0, rtol: float = 0.0) -> "ValidationReport":
+    def compare(self, reference: Reference) -> "ValidationReport":
         """Compare the merged tensors, read straight from the checkpoint, with a reference (nothing is written).
 
         Raises:
@@ -283,13 +280,13 @@ class MergeJob:
         with MergedCheckpoint(plan, self.index()) as merged:
             report = compare_to_reference(
                 merged,
-                Path(test_hf_dir),
+                Path(reference.test_hf_dir),
                 model_dir=self.layout().checkpoint_dir,
                 tied=self.spec().tied,
                 transposed=self.spec().transposed_on_disk,
                 left_out=(lambda names: mtp_layer_names(names, self.spec())) if self.options.drop_mtp else None,
-                atol=atol,
-                rtol=rtol,
+                atol=reference.atol,
+                rtol=reference.rtol,
             )
             merged.verify()
         return report

@@ -48,6 +48,30 @@ class MergeOptions:
 DEFAULT_OPTIONS = MergeOptions()
 """A merge's options when none is given (the flows' default)."""
 
+@dataclass(frozen=True)
+class Reference:
+    """A reference model to compare a merged model with (`--test_hf_dir`), and how closely."""
+
+    test_hf_dir: str
+    check_logits: bool = False
+    """Also compare the two models' logits (on CPU, when both fit in memory)."""
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    @classmethod
+    def from_values(cls, values: object) -> "Reference | None":
+        """The reference an argparse namespace names, None without one."""
+        test_hf_dir = getattr(values, "test_hf_dir", None)
+        if not test_hf_dir:
+            return None
+        return cls(
+            test_hf_dir=test_hf_dir,
+            check_logits=getattr(values, "check_logits", False),
+            atol=getattr(values, "atol", 0.0),
+            rtol=getattr(values, "rtol", 0.0),
+        )
+
+
 UPLOAD_RETRIES = 6
 UPLOAD_RETRY_DELAY_SECONDS = 10.0
 """First delay between attempts; each retry doubles it (10, 20, 40, ... 320 s: ten minutes in all), with jitter."""

@@ -1,6 +1,7 @@
 """Caching of merged state with Prefect's own means: a transaction per merge, keyed by its `MergeKey`, holds
 the merge's lock and records the published manifest; every step is cached under the merge's key."""
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -25,15 +26,19 @@ def lock_directory() -> Path:
     return Path(get_current_settings().home) / "mergeflow" / "locks"
 
 
-KEYED_PARAMETERS = ("filename", "test_hf_dir", "check_logits")
+KEYED_PARAMETERS = ("filename", "reference")
 """Step parameters that change a step's result beyond the merge itself (which file, which reference)."""
 
 
 def step_key(context, parameters: dict) -> str:
     """A step's cache key: the merge's key, the step, and a digest of what else changes its result."""
-    extra = {name: parameters[name] for name in KEYED_PARAMETERS if name in parameters}
+    extra = {name: _as_json(parameters[name]) for name in KEYED_PARAMETERS if name in parameters}
     key = f"{parameters['job'].key().digest}-{context.task.name}"
     return f"{key}-{hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:16]}" if extra else key
+
+
+def _as_json(value: object) -> object:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def _lock_manager() -> ProcessAwareLockManager:

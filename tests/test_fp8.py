@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from mergeflow import fp8
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.options import MergeOptions
+from mergeflow.options import MergeOptions, Reference
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import INPUT_IDS, load_weights, merge_with_engine, model_class
 
@@ -228,8 +228,7 @@ def test_the_flow_reports_each_fp8_weights_rounding_error(fixtures, tmp_path):
         local_dir=str(fixtures["qwen2-wide-ws2"].checkpoint_dir),
         target_dir=str(tmp_path / "out"),
         options=MergeOptions(quantize="fp8"),
-        check_logits=True,
-        test_hf_dir=str(fixtures["qwen2-wide-ws2"].reference_dir),
+        reference=Reference(str(fixtures["qwen2-wide-ws2"].reference_dir), check_logits=True),
         progress=False,
     )
 

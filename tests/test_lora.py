@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from mergeflow.demo.models import tiny_config
 from mergeflow.errors import CheckpointError, OptionError
 from mergeflow.lora import infer_lora_config
+from mergeflow.options import Reference
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import INPUT_IDS, load_weights, merge_with_engine, model_class
 
@@ -260,6 +261,6 @@ def test_test_operation_compares_the_base_of_a_lora_checkpoint_with_its_referenc
     from mergeflow.flows.verify import verify_checkpoint
 
     fixture = fixtures["lora-ws2"]
-    report = verify_checkpoint(local_dir=str(fixture.checkpoint_dir), test_hf_dir=str(fixture.reference_dir))
+    report = verify_checkpoint(local_dir=str(fixture.checkpoint_dir), reference=Reference(str(fixture.reference_dir)))
 
     assert report.passed and report.tensors_compared == len(load_weights(fixture.reference_dir))

@@ -26,7 +26,7 @@ from mergeflow.formats.megatron.families import FAMILIES
 from mergeflow.formats.megatron.index import index_megatron
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
 from mergeflow.formats.registry import find_checkpoint
-from mergeflow.options import MergeOptions
+from mergeflow.options import MergeOptions, Reference
 from mergeflow.spec.model_spec import load_model_spec
 from mergeflow.validation.validate import validate_model_dir
 from tests.conftest import MEGATRON_FIXTURE_NAMES, MEGATRON_FIXTURE_SPECS
@@ -164,7 +164,7 @@ def test_merge_flow_runs_the_megatron_backend(megatron_fixtures, target_dir):
         local_dir=str(fixture.checkpoint_dir),
         target_dir=str(target_dir),
         options=MergeOptions(backend="megatron", dtype="keep"),
-        test_hf_dir=str(fixture.reference_dir),
+        reference=Reference(str(fixture.reference_dir)),
         progress=False,
     )
 
@@ -307,7 +307,7 @@ def test_copied_model_is_validated_against_the_reference(mbridge_checkpoint, tar
         local_dir=str(checkpoint_dir),
         target_dir=str(target_dir),
         options=MergeOptions(backend="megatron"),
-        test_hf_dir=str(fixture.reference_dir),
+        reference=Reference(str(fixture.reference_dir)),
         progress=False,
     )
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from mergeflow.cli import EXIT_VALIDATION_FAILED, main
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.options import MergeOptions
+from mergeflow.options import MergeOptions, Reference
 from mergeflow.tasks.publish import artifact_key
 from mergeflow.validation.validate import validate_model_dir
 from tests.merging import merge_with_engine
@@ -305,7 +305,7 @@ class TestCommands:
             local_dir=checkpoint,
             target_dir=str(target_dir),
             options=MergeOptions(dtype="keep"),
-            test_hf_dir=str(fixtures[CHECKPOINT].reference_dir),
+            reference=Reference(str(fixtures[CHECKPOINT].reference_dir)),
             progress=False,
             return_state=True,
         )

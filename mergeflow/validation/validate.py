@@ -17,6 +17,7 @@ import torch
 from mergeflow import fp8
 from mergeflow.dtypes import DTYPE_CHOICES, dtype_name
 from mergeflow.errors import quoted
+from mergeflow.options import Reference
 from mergeflow.output.model_folder import (
     SafetensorsFolder,
     TensorInfo,
@@ -45,6 +46,18 @@ LOGITS_SEQUENCE_LENGTH = 16
 LOGITS_MEMORY_FACTOR = 3
 """Both models must fit in available memory this many times over their weights, or logits are skipped."""
 MAX_REPORTED = 20
+
+
+def reference_arguments(reference: Reference | None) -> dict:
+    """`validate_model_dir`'s arguments for a reference (none without one)."""
+    if reference is None:
+        return {}
+    return {
+        "reference_dir": Path(reference.test_hf_dir),
+        "check_logits": reference.check_logits,
+        "atol": reference.atol,
+        "rtol": reference.rtol,
+    }
 
 
 def validate_model_dir(
