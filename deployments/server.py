@@ -29,6 +29,10 @@ def prefect_home() -> Path:
     return Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
 
 
+def state_file() -> Path:
+    return prefect_home() / "mergeflow" / STATE_FILE
+
+
 def configured_api_url() -> str | None:
     """The API URL Prefect itself would use: PREFECT_API_URL, else the active profile's setting."""
     if os.environ.get(API_URL_VARIABLE):
@@ -45,15 +49,15 @@ def configured_api_url() -> str | None:
 def kept_up_api_url() -> str | None:
     """The API URL of a `mergeflow server` running for this PREFECT_HOME, if it answers. A state file whose server
     process is gone or does not answer is stale: it is removed."""
-    state_file = prefect_home() / "mergeflow" / STATE_FILE
+    state_path = state_file()
     try:
-        state = json.loads(state_file.read_text())
+        state = json.loads(state_path.read_text())
     except (OSError, ValueError):
         return None
     api_url = state.get("api_url") if isinstance(state, dict) else None
     if api_url and _alive(state.get("pid")) and healthy(api_url):
         return api_url
-    state_file.unlink(missing_ok=True)
+    state_path.unlink(missing_ok=True)
     return None
 
 
@@ -143,7 +147,7 @@ def keep_server_up(port: int = DEFAULT_PORT) -> int:
     the server too), and, once it answers, tell the other mergeflow commands of this PREFECT_HOME to use it.
     Returns the server's exit code (0 when stopped by a signal)."""
     api_url = f"http://127.0.0.1:{port}/api"
-    state_file = prefect_home() / "mergeflow" / STATE_FILE
+    state_path = state_file()
     environment = {**os.environ, "PREFECT_UI_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     process = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -163,8 +167,8 @@ def keep_server_up(port: int = DEFAULT_PORT) -> int:
         while process.poll() is None:
             if not announced and not stopped_at and healthy(api_url):
                 announced = True
-                state_file.parent.mkdir(parents=True, exist_ok=True)
-                state_file.write_text(json.dumps({"api_url": api_url, "pid": process.pid}))
+                state_path.parent.mkdir(parents=True, exist_ok=True)
+                state_path.write_text(json.dumps({"api_url": api_url, "pid": process.pid}))
                 print(f"mergeflow: Prefect UI at http://127.0.0.1:{port}; mergeflow commands with PREFECT_HOME={prefect_home()} use it")
                 print(f"mergeflow: for other Prefect tools: export {API_URL_VARIABLE}={api_url}")
                 print(f"mergeflow: stop it with Ctrl-C or `kill {os.getpid()}`", flush=True)
@@ -172,7 +176,7 @@ def keep_server_up(port: int = DEFAULT_PORT) -> int:
                 _signal_group(process, signal.SIGKILL)
             time.sleep(0.2)
     finally:
-        state_file.unlink(missing_ok=True)
+        state_path.unlink(missing_ok=True)
         if process.poll() is None:
             _signal_group(process, signal.SIGKILL)
             process.wait()
