@@ -97,3 +97,18 @@ def test_the_product_never_imports_the_tests(module):
     imported = imported_modules(module_files()[module], module)
 
     assert not {name for name in imported if name.split(".")[0] in ("tests", "bench")}
+
+
+def test_the_default_backend_is_a_registered_one():
+    from mergeflow.formats.registry import BACKEND_NAMES
+    from mergeflow.options import DEFAULT_BACKEND
+
+    assert DEFAULT_BACKEND in BACKEND_NAMES
+
+
+def test_each_backend_folder_exports_the_record_the_registry_lists():
+    from mergeflow.formats.registry import BACKENDS
+
+    folders = {path.parent.name for path in (REPO_ROOT / "mergeflow" / "formats").glob("*/__init__.py")}
+
+    assert {backend.name.replace("-", "_") for backend in BACKENDS} == folders

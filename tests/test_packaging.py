@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.xdist_group("wheel")  # one wheel build: builds of one source tree at once collide
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +48,9 @@ def test_python_dash_m_mergeflow_is_the_command():
     shown = subprocess.run([sys.executable, "-m", "mergeflow", "--help"], capture_output=True, text=True, check=True)
 
     assert "merge" in shown.stdout and "serve" in shown.stdout
+
+
+def test_the_wheel_holds_no_test_fixture_writers(wheel_names):
+    fixture_writers = {path.name for path in (REPO_ROOT / "tests" / "writers").glob("*.py")} - {"__init__.py"}
+
+    assert not [name for name in wheel_names if name.rsplit("/", 1)[-1] in fixture_writers or name.startswith("tests/")]
