@@ -28,6 +28,8 @@ def describe_checkpoint(
     sizes verl recorded), dtypes, parameter count, multi-token-prediction layers, and tied / LoRA /
     value-model flags."""
     layout = find_checkpoint(local_dir, backend)
+    if layout.model_dir is not None:
+        return _describe_model_folder(Path(local_dir), backend, Path(layout.model_dir))
     spec = _spec_or_none(Path(hf_model_config_path or layout.config_dir), trust_remote_code)
     if spec is None and backend_named(backend).needs_spec:
         raise CheckpointError(f"{layout.config_dir}: a {backend} checkpoint is named through its config, which cannot be read")
@@ -58,6 +60,24 @@ def describe_checkpoint(
     if lora_names:
         description.update(_lora_description(index, lora_names))
     return description
+
+
+def _describe_model_folder(local_dir: Path, backend: str, model_dir: Path) -> dict:
+    """A checkpoint that holds the Hugging Face model already (it is copied, not merged): its weights' facts."""
+    from mergeflow.output.model_folder import SafetensorsFolder
+
+    weights = SafetensorsFolder(model_dir)
+    infos = [weights.info(name) for name in weights.names()]
+    return {
+        "checkpoint_dir": str(local_dir.absolute()),
+        "backend": backend,
+        "model_dir": str(model_dir),
+        "merge": "none: the model is copied as it is",
+        "dtypes": dict(Counter(str(info.dtype).removeprefix("torch.") for info in infos)),
+        "num_tensors": len(infos),
+        "num_parameters": sum(math.prod(info.shape) for info in infos),
+        "model_type": _model_type(model_dir),
+    }
 
 
 MTP_LAYER = re.compile(r"^(?:model|mtp)\.layers\.(\d+)\.")

@@ -248,7 +248,7 @@ class MergeJob:
 
         check_target(Path(self.target_dir), overwrite=replace, protected=self.protected())
         self.staging_dir.mkdir(parents=True, exist_ok=True)
-        return copy_model_folder(Path(self.layout().model_dir), self.staging_dir)
+        return copy_model_folder(Path(self.layout().model_dir), self.staging_dir, config_dir=self.config_dir())
 
     def validate(self, saved: "SavedModel", reference: Reference | None = None) -> "ValidationReport":
         """Check the saved folder is complete and, given a reference, equal to it."""

@@ -107,8 +107,11 @@ def test_the_default_backend_is_a_registered_one():
 
 
 def test_each_backend_folder_exports_the_record_the_registry_lists():
+    import importlib
+
     from mergeflow.formats.registry import BACKENDS
 
-    folders = {path.parent.name for path in (REPO_ROOT / "mergeflow" / "formats").glob("*/__init__.py")}
+    folders = sorted(path.parent.name for path in (REPO_ROOT / "mergeflow" / "formats").glob("*/__init__.py"))
+    records = [importlib.import_module(f"mergeflow.formats.{folder}").BACKEND for folder in folders]
 
-    assert {backend.name.replace("-", "_") for backend in BACKENDS} == folders
+    assert sorted(records, key=id) == sorted(BACKENDS, key=id)

@@ -17,6 +17,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from mergeflow.validation.validate import validate_model_dir
 from tests.run_dirs import save_step
+from tests.writers.hf_tree import hf_model_only
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
 """One worker runs the module in order: its tests follow one served run directory through its checkpoints."""
@@ -213,3 +214,13 @@ def test_serve_says_each_checkpoint_it_announces_and_each_merge_it_finishes(serv
 
     wait_until(lambda: f"mergeflow: merged run-a/step-1/actor into {target}" in console_lines(serve_log), 30, "the merge's line")
     assert f"mergeflow: run-a/step-1/actor saved: merging it into {target}" in console_lines(serve_log)
+
+
+def test_a_checkpoint_that_is_a_hugging_face_model_already_is_copied_and_validated(served, fixtures):
+    _, run_dir, output_dir, _ = served
+
+    hf_model_only(fixtures["qwen2-ws2"], run_dir, 3)
+
+    target = output_dir / "run-a" / "global_step_3" / "actor"
+    wait_until(lambda: (target / "model.safetensors").is_file(), MERGE_SECONDS, "the copied model")
+    assert validate_model_dir(target, reference_dir=fixtures["qwen2-ws2"].reference_dir).passed

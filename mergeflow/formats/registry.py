@@ -3,13 +3,14 @@
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError, OptionError
-from mergeflow.formats import fsdp, megatron
+from mergeflow.formats import fsdp, hf_tree, megatron
 from mergeflow.formats.backend import Backend
 from mergeflow.formats.base import Layout
 
 BACKENDS: tuple[Backend, ...] = (
     fsdp.BACKEND,
     megatron.BACKEND,
+    hf_tree.BACKEND,
 )
 """Every backend, in the order a directory is tried when its backend is not given (the watcher's)."""
 BACKEND_NAMES = tuple(backend.name for backend in BACKENDS)

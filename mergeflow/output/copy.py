@@ -1,5 +1,5 @@
-"""A checkpoint that already holds a Hugging Face model (verl's Megatron backend with mbridge saves one in
-`huggingface/`): nothing to merge, so its folder is copied byte for byte and then validated like a merge."""
+"""A checkpoint that already holds a Hugging Face model (mbridge's export, Automodel's consolidated model, an FSDP
+save of `hf_model` only): nothing to merge, so its folder is copied byte for byte and then validated like a merge."""
 
 import json
 import shutil
@@ -9,17 +9,24 @@ from pathlib import Path
 from mergeflow.dtypes import dtype_name
 from mergeflow.output.manifest import SavedModel, describe_files
 from mergeflow.output.model_folder import SafetensorsFolder, dominant_floating_dtype, nbytes
-from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.spec.config_files import CONFIG_FILE, GENERATION_CONFIG_FILE
+from mergeflow.spec.model_spec import side_files
 
 
-def copy_model_folder(source_dir: Path, output_dir: Path) -> SavedModel:
-    """Copy every file of `source_dir` (weights, config, tokenizer and the rest) into `output_dir`."""
+def copy_model_folder(source_dir: Path, output_dir: Path, *, config_dir: Path | None = None) -> SavedModel:
+    """Copy every file of `source_dir` (weights, config, tokenizer and the rest) into `output_dir`, and, from
+    `config_dir`, the tokenizer, chat template and generation config files `source_dir` lacks (Automodel's
+    consolidated model holds none), all byte for byte."""
     started = time.monotonic()
     for path in sorted(Path(source_dir).rglob("*")):
         if path.is_file():
             destination = Path(output_dir) / path.relative_to(source_dir)
             destination.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, destination)
+    if config_dir is not None and Path(config_dir).resolve() != Path(source_dir).resolve():
+        for path in [*side_files(Path(config_dir)), Path(config_dir) / GENERATION_CONFIG_FILE]:
+            if path.is_file() and not (Path(output_dir) / path.name).exists():
+                shutil.copyfile(path, Path(output_dir) / path.name)
     weights = SafetensorsFolder(Path(output_dir))
     dominant = dominant_floating_dtype(weights)
     return SavedModel(

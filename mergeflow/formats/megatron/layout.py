@@ -135,12 +135,14 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
 
 
 def recognises(local_dir: Path) -> bool:
-    """Whether the directory is in one of the layouts `find_megatron_checkpoint` reads."""
+    """Whether the directory is in one of the layouts `find_megatron_checkpoint` reads, with a mark of Megatron (a
+    torch_dist archive, or verl's manifest): a bare `huggingface/` with weights is any engine's Hugging Face model
+    (the `hf` backend's)."""
     try:
-        find_megatron_checkpoint(local_dir)
+        layout = find_megatron_checkpoint(local_dir)
     except CheckpointError:
         return False
-    return True
+    return layout.dist_ckpt_dir is not None or (Path(local_dir) / CONTENTS_FILE).is_file()
 
 
 def is_complete(local_dir: Path) -> bool:
