@@ -5,6 +5,7 @@ and Qwen3-VL-MoE are Megatron-Bridge's module tree rebuilt from megatron-core's 
 3.12), as is the Qwen3.5 vision tower (`tests.writers.megatron_qwen3_vl`); their archives are still megatron-core's.
 """
 
+import dataclasses
 import json
 import pickle
 import re
@@ -217,13 +218,10 @@ def test_an_expert_axis_longer_or_shorter_than_the_config_says_is_an_error(megat
 def test_an_unknown_architecture_is_an_error_that_names_it(megatron_fixtures, tmp_path):
     layout = find_megatron_checkpoint(megatron_fixtures["megatron-qwen2-tp1"].checkpoint_dir)
     spec = load_model_spec(Path(layout.hf_dir))
-    config = tmp_path / "config"
-    config.mkdir()
-    text = (Path(layout.hf_dir) / "config.json").read_text().replace('"model_type": "qwen2"', '"model_type": "gpt2"')
-    (config / "config.json").write_text(text)
+    gpt2 = {**spec.config_values, "model_type": "gpt2"}
 
     with pytest.raises(PlanError, match='unknown architecture for the Megatron backend: model_type "gpt2"'):
-        index_megatron(layout, spec.__class__(**{**spec.__dict__, "config_dir": str(config)}))
+        index_megatron(layout, dataclasses.replace(spec, config_values=gpt2))
 
 
 def test_a_directory_without_dist_ckpt_is_an_error_that_says_which_to_pass(megatron_fixtures):

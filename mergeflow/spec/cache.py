@@ -23,7 +23,7 @@ from mergeflow.spec.config_files import CONFIG_FILE
 CACHE_DIR_VARIABLE = "MERGEFLOW_CACHE_DIR"
 SPEC_SUBDIR = "model-specs"
 LOCK_SUBDIR = "locks"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Bumped whenever the stored fields or the way they are derived change."""
 
 

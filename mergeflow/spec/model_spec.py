@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from mergeflow.errors import CheckpointError
 from mergeflow.spec import cache as spec_cache
 from mergeflow.spec.config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, require_config
+from mergeflow.spec.config_values import config_values
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -41,6 +42,7 @@ SPEC_FIELDS = (
     "tied",
     "is_value_model",
     "derived_generation_config",
+    "config_values",
 )
 """The fields `_spec_fields` derives and the spec cache stores."""
 
@@ -80,6 +82,8 @@ class ModelSpec:
     derived_generation_config: str | None = None
     """generation_config.json as transformers derives it from the model config, for checkpoints without one
     (None for a model that does not generate)."""
+    config_values: dict[str, Any] = field(default_factory=dict)
+    """The config's values as plain data (`spec.config_values`), for readers that need more of it than the tensors."""
     transposed_on_disk: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Tensors the model's own checkpoints hold with two axes swapped from its in-memory layout, and those axes:
     transformers transposes them on load when they come so (Qwen3-VL-MoE's experts, input-major on disk, as vLLM
@@ -134,6 +138,7 @@ def load_model_spec(
         tied=fields["tied"],
         is_value_model=fields["is_value_model"],
         derived_generation_config=fields["derived_generation_config"],
+        config_values=fields["config_values"],
     )
     if tie_word_embedding and not spec.tied:
         raise CheckpointError(
@@ -172,6 +177,7 @@ def _spec_fields(config_dir: Path, *, trust_remote_code: bool, is_value_model: b
         "tied": tied,
         "is_value_model": architecture.endswith(VALUE_MODEL_SUFFIX),
         "derived_generation_config": _derived_generation_config(config) if model.can_generate() else None,
+        "config_values": config_values(config),
     }
 
 

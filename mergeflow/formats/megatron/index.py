@@ -41,7 +41,8 @@ from mergeflow.formats.megatron.names import (
     targets,
 )
 from mergeflow.formats.megatron.tables import MTP_SHARED
-from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec, load_config
+from mergeflow.spec.config_values import ConfigValues
+from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec
 from mergeflow.spec.peft_names import PEFT_PREFIX, lora_tensor_names
 
 ANY_DECODER_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
@@ -109,7 +110,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
             f"{layout.hf_dir} already holds the Hugging Face model and there is no dist_ckpt/ to read: "
             f"check it with `mergeflow validate {layout.hf_dir}`"
         )
-    config = load_config(Path(spec.config_dir), trust_remote_code=spec.trust_remote_code)
+    config = ConfigValues(spec.config_values)
     try:
         family = family_of(config)
     except PlanError as error:
