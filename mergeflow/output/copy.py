@@ -8,9 +8,9 @@ from pathlib import Path
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.output.manifest import SavedModel, describe_files
+from mergeflow.output.model_files import side_files
 from mergeflow.output.model_folder import SafetensorsFolder, dominant_floating_dtype, nbytes
 from mergeflow.spec.config_files import CONFIG_FILE, GENERATION_CONFIG_FILE
-from mergeflow.spec.model_spec import side_files
 
 
 def copy_model_folder(source_dir: Path, output_dir: Path, *, config_dir: Path | None = None) -> SavedModel:

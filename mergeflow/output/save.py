@@ -18,12 +18,13 @@ from mergeflow.formats.base import TensorIndex
 from mergeflow.options import is_hub_model_id
 from mergeflow.output.manifest import SavedModel, ShardWritten, describe_files
 from mergeflow.output.materialize import PlannedTensors
+from mergeflow.output.model_files import copy_side_files, write_config, write_generation_config
 from mergeflow.output.shard_locks import LOCK_SUFFIX, closed_to_writers, file_lock
 from mergeflow.output.streaming import CHUNK_BYTES, prefetched
 from mergeflow.output.writer import SafetensorsWriter, TensorEntry, build_header
 from mergeflow.planning import AdapterPlan, MergePlan, OutputTensor
 from mergeflow.spec.config_files import CONFIG_FILE, WEIGHT_INDEX_FILE
-from mergeflow.spec.model_spec import ModelSpec, copy_side_files, write_config, write_generation_config
+from mergeflow.spec.model_spec import ModelSpec
 from mergeflow.spec.peft_names import ADAPTER_SUBDIR
 
 DONE_SUFFIX = ".done"

@@ -2,7 +2,6 @@
 
 import json
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from mergeflow.errors import CheckpointError
 from mergeflow.spec import cache as spec_cache
-from mergeflow.spec.config_files import CONFIG_FILE, GENERATION_CONFIG_FILE, require_config
+from mergeflow.spec.config_files import CONFIG_FILE, require_config
 from mergeflow.spec.config_values import config_values
 
 if TYPE_CHECKING:
@@ -349,57 +348,3 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
         else:
             first_name[id(tensor)] = name
     return tied
-
-
-def write_config(spec: ModelSpec, output_dir: Path, dtype: str, *, quantization: dict | None = None) -> None:
-    """Write config.json as the checkpoint has it, with only its dtype (and value-model head, and an FP8 model's
-    `quantization_config`) updated."""
-    config = json.loads((Path(spec.config_dir) / CONFIG_FILE).read_text())
-    if spec.is_value_model and config.get("architectures") != [spec.architecture]:
-        config["architectures"] = [spec.architecture]
-        config["id2label"] = {"0": "LABEL_0"}
-        config["label2id"] = {"LABEL_0": 0}
-    _set_dtype(config, dtype)
-    if quantization is not None:
-        config["quantization_config"] = quantization
-    (Path(output_dir) / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _set_dtype(config: dict, dtype: str) -> None:
-    config["dtype"] = dtype
-    if "torch_dtype" in config:
-        config["torch_dtype"] = dtype
-    for value in config.values():
-        if isinstance(value, dict) and ("dtype" in value or "torch_dtype" in value):
-            _set_dtype(value, dtype)
-
-
-def write_generation_config(spec: ModelSpec, output_dir: Path) -> None:
-    """Copy the checkpoint's generation_config.json; without one, derive it from the model config as verl does."""
-    source = Path(spec.config_dir) / GENERATION_CONFIG_FILE
-    if source.is_file():
-        shutil.copyfile(source, Path(output_dir) / GENERATION_CONFIG_FILE)
-    elif spec.derived_generation_config is not None:
-        (Path(output_dir) / GENERATION_CONFIG_FILE).write_text(spec.derived_generation_config)
-
-
-def side_files(config_dir: Path) -> list[Path]:
-    """Tokenizer, processor, chat template and remote-code files: every top-level file but weights and configs."""
-    handled = {CONFIG_FILE, GENERATION_CONFIG_FILE}
-    return sorted(
-        path
-        for path in Path(config_dir).iterdir()
-        if path.is_file()
-        and path.name not in handled
-        and not path.name.endswith(WEIGHT_SUFFIXES)
-        and not path.name.endswith(WEIGHT_INDEX_SUFFIX)
-    )
-
-
-def copy_side_files(config_dir: Path, output_dir: Path) -> list[str]:
-    """Copy the side files byte for byte (never loaded and re-saved, which would change them)."""
-    copied = []
-    for path in side_files(config_dir):
-        shutil.copyfile(path, Path(output_dir) / path.name)
-        copied.append(path.name)
-    return copied
