@@ -53,8 +53,9 @@ def merge_checkpoint(
 
     A merge whose inputs (by path, size and mtime), options, target and engine version are unchanged, and
     whose output is still in place, is a cache hit: every step shows Cached and nothing is read or written
-    (`refresh_cache` forces a new merge). The merged folder is validated, against `reference` when given. A LoRA checkpoint gives the base model plus `lora_adapter/`, or
-    with `options.merge_lora` the base model with the LoRA folded in. With `hub` the validated model is
+    (`refresh_cache` forces a new merge). The merged folder is validated, against `reference` when given. A LoRA
+    checkpoint gives the base model plus `lora_adapter/`, or with `options.merge_lora` the base model with the
+    LoRA folded in. With `hub` the validated model is
     uploaded to the Hub, on `hub.revision` (default: a branch per training step, `step-N`); the token comes
     from HF_TOKEN, the huggingface_hub login, or the Prefect Secret block `hub.token_secret` names.
     """
@@ -84,9 +85,8 @@ def merge_checkpoint(
         upload.with_options(
             retries=hub.retries, retry_delay_seconds=exponential_backoff(backoff_factor=hub.retry_delay_seconds)
         )(
-            saved, hub.repo_id, revision=hub.revision or default_revision(checkpoint_dir), checkpoint_dir=checkpoint_dir,
-            commit_message=commit_message(checkpoint_dir, training_step(checkpoint_dir)), private=hub.private,
-            token_secret=hub.token_secret,
+            saved, hub, revision=hub.revision or default_revision(checkpoint_dir), checkpoint_dir=checkpoint_dir,
+            commit_message=commit_message(checkpoint_dir, training_step(checkpoint_dir)),
         )  # fmt: skip
     return saved
 

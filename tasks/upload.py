@@ -8,7 +8,7 @@ from prefect.tasks import exponential_backoff
 
 from mergeflow.errors import UploadError
 from mergeflow.hub import UploadResult, upload_model
-from mergeflow.options import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS
+from mergeflow.options import UPLOAD_RETRIES, UPLOAD_RETRY_DELAY_SECONDS, HubUpload
 from mergeflow.output.manifest import SavedModel
 from mergeflow.tasks.publish import artifact_key
 
@@ -30,22 +30,14 @@ def retry_transient_only(task, task_run, state) -> bool:
     retry_jitter_factor=RETRY_JITTER_FACTOR,
     retry_condition_fn=retry_transient_only,
 )
-def upload(
-    saved: SavedModel,
-    repo_id: str,
-    *,
-    revision: str,
-    checkpoint_dir: str,
-    commit_message: str,
-    private: bool = False,
-    token_secret: str | None = None,
-) -> UploadResult:
-    """Upload the merged folder to the Hub; a rate limit's Retry-After is waited out before the next attempt."""
-    folder = saved.folder
-    token = _token_from_secret(token_secret)
+def upload(saved: SavedModel, hub: HubUpload, *, revision: str, checkpoint_dir: str, commit_message: str) -> UploadResult:
+    """Upload the merged folder to the Hub on `revision`; a rate limit's Retry-After is waited out before the next
+    attempt."""
+    folder, repo_id = saved.folder, hub.repo_id
+    token = _token_from_secret(hub.token_secret)
     try:
         result = upload_model(
-            Path(folder), repo_id, revision=revision, private=private, token=token, commit_message=commit_message
+            Path(folder), repo_id, revision=revision, private=hub.private, token=token, commit_message=commit_message
         )
     except UploadError as e:
         if e.retry_after:

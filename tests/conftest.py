@@ -44,6 +44,7 @@ FIXTURE_SPECS = [
     FixtureSpec("qwen2-ws1", world_size=1),
     FixtureSpec("qwen2-ws2", world_size=2, generation_config=GENERATION_CONFIG),
     FixtureSpec("qwen2-dp-shard-ws2", world_size=2, mesh_dim_names=("dp_shard",), dtype="bf16"),
+    FixtureSpec("qwen2-dp-shard-sp-ws2", world_size=2, mesh_dim_names=("dp_shard_sp",)),  # VeOmni's mesh with Ulysses
     FixtureSpec("value-ws2", model="qwen2-value", world_size=2, tie=False, role="critic"),
     FixtureSpec("llama-untied-ws3", model="llama", world_size=3, tie=False),
     FixtureSpec("qwen2-fsdp1-ws3", world_size=3, fsdp_version=1, dtype="bf16"),

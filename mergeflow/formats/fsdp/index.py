@@ -38,7 +38,10 @@ from mergeflow.formats.fsdp.rank_pickle import (
     tensor_file_offsets,
 )
 
-SUPPORTED_MESH_DIM_NAMES = frozenset({"fsdp", "ddp", "dp", "dp_shard", "dp_replicate", "dp_shard_cp"})
+SUPPORTED_MESH_DIM_NAMES = frozenset({"fsdp", "ddp", "dp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_shard_sp"})
+"""Mesh dims that shard or replicate parameters as FSDP does: torchtitan's and verl's names, and the flattened
+data-parallel dims that also span the context- or sequence-parallel ranks (`dp_shard_cp`; VeOmni's `dp_shard_sp`
+with Ulysses), whose ranks each hold a shard of every parameter."""
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 CORRUPT_HINT = "the file changed after torch.save wrote it: copy it again from where training saved it"
 
