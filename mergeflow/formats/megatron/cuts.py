@@ -149,11 +149,6 @@ def _qkv_regrouped(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch
     return torch.cat([_qkv_part(one)(value, geometry, ranks) for one in (Q, K, V)])
 
 
-def _interleaved(value: torch.Tensor) -> torch.Tensor:
-    gate, up = value.chunk(2)
-    return torch.stack([gate, up], dim=1).reshape(value.shape)
-
-
 def _by_key_head(value: torch.Tensor, geometry: Geometry, pieces: list[torch.Tensor]) -> torch.Tensor:
     per_head = [piece.reshape(geometry.linear_key_heads, -1, *value.shape[1:]) for piece in pieces]
     return torch.cat(per_head, dim=1).reshape(value.shape)
@@ -171,25 +166,64 @@ def _rank_halves_shape(shape: Shape, geometry: Geometry, ranks: int, key: str) -
     return shape
 
 
+def _whole(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return value
+
+
+def _vocab(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return value[: geometry.vocab_size]
+
+
+def _gate(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return value[: value.shape[0] // 2]
+
+
+def _up(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return value[value.shape[0] // 2 :]
+
+
+def _transposed(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return value.T.contiguous()
+
+
+def _gate_up_interleaved(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    """gpt-oss's experts: gate and up rows alternate."""
+    gate, up = value.chunk(2)
+    return torch.stack([gate, up], dim=1).reshape(value.shape)
+
+
+def _gate_up_interleaved_t(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return _gate_up_interleaved(value, geometry, ranks).T.contiguous()
+
+
+def _zero_centered(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return (value.float() + 1).to(value.dtype)
+
+
+def _ba_by_key_head(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return _by_key_head(value, geometry, list(value.chunk(2)))
+
+
+def _rank_halves(value: torch.Tensor, geometry: Geometry, ranks: int) -> torch.Tensor:
+    return value.reshape(ranks, 2, -1, *value.shape[1:]).transpose(0, 1).reshape(value.shape)
+
+
 CUTS: dict[str, Cut] = {
-    COPY: Cut(_same, lambda value, geometry, ranks: value),
-    VOCAB: Cut(_vocab_shape, lambda value, geometry, ranks: value[: geometry.vocab_size]),
+    COPY: Cut(_same, _whole),
+    VOCAB: Cut(_vocab_shape, _vocab),
     Q: Cut(_qkv_part_shape(Q), _qkv_part(Q)),
     K: Cut(_qkv_part_shape(K), _qkv_part(K)),
     V: Cut(_qkv_part_shape(V), _qkv_part(V)),
     QKV: Cut(_qkv_part_shape(QKV), _qkv_regrouped),
-    GATE: Cut(_half, lambda value, geometry, ranks: value[: value.shape[0] // 2]),
-    UP: Cut(_half, lambda value, geometry, ranks: value[value.shape[0] // 2 :]),
-    TRANSPOSED: Cut(_reversed, lambda value, geometry, ranks: value.T.contiguous()),
-    GATE_UP_INTERLEAVED: Cut(_same, lambda value, geometry, ranks: _interleaved(value)),
-    GATE_UP_INTERLEAVED_T: Cut(_reversed, lambda value, geometry, ranks: _interleaved(value).T.contiguous()),
-    ZERO_CENTERED: Cut(_same, lambda value, geometry, ranks: (value.float() + 1).to(value.dtype)),
+    GATE: Cut(_half, _gate),
+    UP: Cut(_half, _up),
+    TRANSPOSED: Cut(_reversed, _transposed),
+    GATE_UP_INTERLEAVED: Cut(_same, _gate_up_interleaved),
+    GATE_UP_INTERLEAVED_T: Cut(_reversed, _gate_up_interleaved_t),
+    ZERO_CENTERED: Cut(_same, _zero_centered),
     QKVZ_BY_KEY_HEAD: Cut(_same, _qkvz_by_key_head),
-    BA_BY_KEY_HEAD: Cut(_same, lambda value, geometry, ranks: _by_key_head(value, geometry, list(value.chunk(2)))),
-    RANK_HALVES: Cut(
-        _rank_halves_shape,
-        lambda value, geometry, ranks: value.reshape(ranks, 2, -1, *value.shape[1:]).transpose(0, 1).reshape(value.shape),
-    ),
+    BA_BY_KEY_HEAD: Cut(_same, _ba_by_key_head),
+    RANK_HALVES: Cut(_rank_halves_shape, _rank_halves),
 }
 """Every cut: the HF tensor's shape, and how to cut it from one layer's stored value."""
 
