@@ -55,9 +55,9 @@ def merge_checkpoint(
     whose output is still in place, is a cache hit: every step shows Cached and nothing is read or written
     (`refresh_cache` forces a new merge). The merged folder is validated, against `reference` when given. A LoRA
     checkpoint gives the base model plus `lora_adapter/`, or with `options.merge_lora` the base model with the
-    LoRA folded in. With `hub` the validated model is
-    uploaded to the Hub, on `hub.revision` (default: a branch per training step, `step-N`); the token comes
-    from HF_TOKEN, the huggingface_hub login, or the Prefect Secret block `hub.token_secret` names.
+    LoRA folded in. With `hub` the validated model is uploaded to the Hub, on `hub.revision` (default: a branch
+    per training step, `step-N`); the token comes from HF_TOKEN, the huggingface_hub login, or the Prefect Secret
+    block `hub.token_secret` names.
     """
     if hub is not None:
         check_repo_id(hub.repo_id)

@@ -37,16 +37,23 @@ class MergeOptions:
     drop_mtp: bool = False
     """Leave out multi-token-prediction layers (kept by default, for speculative decoding)."""
 
-
     @classmethod
     def from_values(cls, values: object) -> "MergeOptions":
         """The options `values` (an argparse namespace, say) has attributes for; a None keeps the default."""
-        given = {field.name: getattr(values, field.name, None) for field in dataclasses.fields(cls)}
-        return cls(**{name: value for name, value in given.items() if value is not None})
+        return cls(**given_fields(cls, values))
 
 
 DEFAULT_OPTIONS = MergeOptions()
 """A merge's options when none is given (the flows' default)."""
+
+
+def given_fields(cls: type, values: object, renamed: dict[str, str] | None = None) -> dict[str, object]:
+    """The fields of dataclass `cls` that `values` (an argparse namespace) gives other than None, each read from the
+    attribute of its own name or of the name `renamed` maps it to."""
+    renamed = renamed or {}
+    given = {field.name: getattr(values, renamed.get(field.name, field.name), None) for field in dataclasses.fields(cls)}
+    return {name: value for name, value in given.items() if value is not None}
+
 
 @dataclass(frozen=True)
 class Reference:
@@ -61,15 +68,8 @@ class Reference:
     @classmethod
     def from_values(cls, values: object) -> "Reference | None":
         """The reference an argparse namespace names, None without one."""
-        test_hf_dir = getattr(values, "test_hf_dir", None)
-        if not test_hf_dir:
-            return None
-        return cls(
-            test_hf_dir=test_hf_dir,
-            check_logits=getattr(values, "check_logits", False),
-            atol=getattr(values, "atol", 0.0),
-            rtol=getattr(values, "rtol", 0.0),
-        )
+        fields = given_fields(cls, values)
+        return cls(**fields) if fields.get("test_hf_dir") else None
 
 
 UPLOAD_RETRIES = 6
@@ -94,15 +94,8 @@ class HubUpload:
     def from_values(cls, values: object) -> "HubUpload | None":
         """The upload an argparse namespace asks for (`hf_upload_path`, `private`, `revision`, `hf_token_secret`),
         None without a repo."""
-        repo_id = getattr(values, "hf_upload_path", None)
-        if not repo_id:
-            return None
-        return cls(
-            repo_id=repo_id,
-            private=getattr(values, "private", False),
-            revision=getattr(values, "revision", None),
-            token_secret=getattr(values, "hf_token_secret", None),
-        )
+        fields = given_fields(cls, values, {"repo_id": "hf_upload_path", "token_secret": "hf_token_secret"})
+        return cls(**fields) if fields.get("repo_id") else None
 
 
 def check_quantize(quantize: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mergeflow.formats import registry
-from mergeflow.formats.verl_run import ROLE_SUBDIRS, STEP_DIR, TRACKER_FILE, step_dir_name, step_dirs
+from mergeflow.formats.verl_run import ROLE_SUBDIRS, STEP_DIR, TRACKER_FILE, saved_steps, step_dir_name
 from mergeflow.options import MergeOptions
 
 SCANNED_ENTRIES = 20_000
@@ -81,8 +81,8 @@ def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
     latest = latest_step(run_dir)
     if latest is None:
         return []
-    steps = [int(STEP_DIR.match(path.name)[1]) for path in step_dirs(run_dir)]
-    return [checkpoint for step in steps if step <= latest for checkpoint in checkpoints_of_step(run_dir, step)]
+    steps = [step for step in saved_steps(run_dir) if step <= latest]
+    return [checkpoint for step in steps for checkpoint in checkpoints_of_step(run_dir, step)]
 
 
 def label_of(local_dir: str | Path) -> str:
@@ -121,7 +121,7 @@ def is_training_file(name: str, is_dir: bool) -> bool:
     """Whether a directory entry is part of what verl saves while training (never a merge's output)."""
     if is_dir and STEP_DIR.match(name):
         return True
-    return name == TRACKER_FILE or registry.is_training_file(name, is_dir)
+    return (not is_dir and name == TRACKER_FILE) or registry.is_training_file(name, is_dir)
 
 
 def training_files_in(folder: Path, *, limit: int = SCANNED_ENTRIES) -> list[str]:

@@ -21,10 +21,11 @@ def default_config_dir(checkpoint_dir: Path) -> Path:
     return Path(checkpoint_dir) / HF_SUBDIR
 
 
-def step_dirs(run_dir: Path) -> list[Path]:
-    """The run's `global_step_N/` folders, oldest first."""
-    found = [path for path in Path(run_dir).glob("global_step_*") if path.is_dir() and STEP_DIR.match(path.name)]
-    return sorted(found, key=lambda path: int(STEP_DIR.match(path.name)[1]))
+def saved_steps(run_dir: Path) -> list[int]:
+    """The steps of the run's `global_step_N/` folders, oldest first."""
+    return sorted(
+        int(match[1]) for path in Path(run_dir).glob("global_step_*") if path.is_dir() and (match := STEP_DIR.match(path.name))
+    )
 
 
 def wrong_level_hint(directory: Path, is_checkpoint) -> str | None:
@@ -33,7 +34,8 @@ def wrong_level_hint(directory: Path, is_checkpoint) -> str | None:
     roles = [directory / role for role in ROLE_SUBDIRS if is_checkpoint(directory / role)]
     if roles:
         return f"pass the role directory instead: {' or '.join(map(str, roles))}"
-    steps = step_dirs(directory)
+    steps = saved_steps(directory)
     if steps:
-        return f"this looks like a verl run directory, pass a checkpoint such as {steps[-1] / ROLE_SUBDIRS[0]}"
+        newest = directory / step_dir_name(steps[-1]) / ROLE_SUBDIRS[0]
+        return f"this looks like a verl run directory, pass a checkpoint such as {newest}"
     return None

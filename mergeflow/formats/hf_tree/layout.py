@@ -24,7 +24,7 @@ class HfTree:
     """A checkpoint that holds a loadable Hugging Face model."""
 
     checkpoint_dir: str
-    tree_dir: str
+    model_dir: str
     """The folder that holds the model: config.json and its safetensors weights."""
     config_dir: str
     """Where the config, tokenizer and chat template come from: the checkpoint's `huggingface/` when it has one
@@ -39,16 +39,17 @@ class HfTree:
         """Nothing to read ahead: the weights are copied, not merged."""
         return ()
 
-    @property
-    def model_dir(self) -> str:
-        return self.tree_dir
-
     def index(self, spec=None) -> NoReturn:
-        raise CheckpointError(f"{self.tree_dir} already holds the Hugging Face model: there is nothing to merge")
+        raise CheckpointError(f"{self.model_dir} already holds the Hugging Face model: there is nothing to merge")
 
 
 def holds_model(folder: Path) -> bool:
     return (folder / CONFIG_FILE).is_file() and any(folder.glob(WEIGHT_FILES))
+
+
+def tree_in(checkpoint_dir: Path) -> Path | None:
+    """The first of `TREE_SUBDIRS` that holds a model, if any."""
+    return next((Path(checkpoint_dir) / sub for sub in TREE_SUBDIRS if holds_model(Path(checkpoint_dir) / sub)), None)
 
 
 def find_hf_tree(checkpoint_dir: Path) -> HfTree:
@@ -60,14 +61,15 @@ def find_hf_tree(checkpoint_dir: Path) -> HfTree:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
-    tree = next((checkpoint_dir / sub for sub in TREE_SUBDIRS if holds_model(checkpoint_dir / sub)), None)
+    tree = tree_in(checkpoint_dir)
     if tree is None:
         _not_a_tree(checkpoint_dir)
     missing = missing_weight_files(tree)
     if missing:
         raise CheckpointError(f"weight file(s) missing in {tree}, which {WEIGHT_INDEX_FILE} names: {quoted(missing)}")
+    tree = tree.resolve()
     config_dir = default_config_dir(checkpoint_dir)
-    return HfTree(str(checkpoint_dir), str(tree.resolve()), str(config_dir if (config_dir / CONFIG_FILE).is_file() else tree.resolve()))
+    return HfTree(str(checkpoint_dir), str(tree), str(config_dir if (config_dir / CONFIG_FILE).is_file() else tree))
 
 
 def missing_weight_files(tree: Path) -> list[str]:
@@ -82,7 +84,7 @@ def missing_weight_files(tree: Path) -> list[str]:
 
 
 def recognises(checkpoint_dir: Path) -> bool:
-    return any(holds_model(Path(checkpoint_dir) / sub) for sub in TREE_SUBDIRS)
+    return tree_in(checkpoint_dir) is not None
 
 
 def is_complete(checkpoint_dir: Path) -> bool:

@@ -59,7 +59,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": _family(
         tables.QWEN3_NEXT_GATED_DELTA_NET, tables.QWEN_MOE, tables.QWEN_MTP, mtp_under_own_names=True, output_gate=True
     ),
-    "qwen2_5_vl": Family(HF_FROM_MEGATRON, vision=tables.QWEN2_5_VL_VISION, hf_module_tower="visual."),
+    "qwen2_5_vl": _family(vision=tables.QWEN2_5_VL_VISION, hf_module_tower="visual."),
     "qwen3_vl": _vision_language(vision=tables.QWEN3_VL_VISION),
     "qwen3_vl_moe": _vision_language(tables.QWEN3_VL_MOE_EXPERTS, vision=tables.QWEN3_VL_VISION),
     "qwen3_5": _vision_language(
