@@ -24,13 +24,14 @@ import pytest
 from filelock import FileLock
 
 from mergeflow.demo.fsdp import Fixture, FixtureSpec, fixture_at, write_fixtures
-from tests import vllm_venv
+from tests import side_venvs
 from tests.writers.megatron import (
     MegatronFixture,
     MegatronFixtureSpec,
     megatron_fixture_at,
     write_megatron_fixtures,
 )
+from tests.writers.veomni import VeomniFixture, VeomniFixtureSpec, veomni_fixture_at, write_veomni_fixtures
 
 GENERATION_CONFIG = {
     "do_sample": True,
@@ -123,14 +124,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start building vLLM's venv when a collected test needs it, so that it is ready by the time that runs."""
-    if any(uses(item, "vllm_python") for item in session.items):
-        session.config.stash[vllm_venv.BUILDING] = vllm_venv.start_building()
+    """Start building each side venv a collected test needs, so that it is ready by the time that runs."""
+    session.config.stash[side_venvs.BUILDING] = {
+        venv.name: building
+        for venv in side_venvs.SIDE_VENVS.values()
+        if any(uses(item, venv.fixture) for item in session.items)
+        if (building := venv.start_building()) is not None
+    }
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    building = session.config.stash.get(vllm_venv.BUILDING, None)
-    if building is not None:
+    for building in session.config.stash.get(side_venvs.BUILDING, {}).values():
         building.end()
 
 
@@ -177,6 +181,25 @@ def fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every fixture checkpoint, written once per run by real torch FSDP on gloo."""
     specs = [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC, WIDE_SPEC]
     return written_by_world_size(tmp_path_factory, "fixtures", specs, write_fixtures, fixture_at)
+
+
+VEOMNI_FIXTURE_SPECS = [
+    VeomniFixtureSpec("veomni-qwen3moe-ep2-ws2"),
+    VeomniFixtureSpec("veomni-qwen3moe-ep2-sp2-ws4", world_size=4, ulysses=2),
+]
+
+
+@pytest.fixture(scope="session")
+def veomni_python(request) -> Path:
+    """Python of a venv holding VeOmni and verl (`tests.side_venvs`)."""
+    return side_venvs.python_of(side_venvs.VEOMNI, request)
+
+
+@pytest.fixture(scope="session")
+def veomni_fixtures(tmp_path_factory, veomni_python) -> dict[str, VeomniFixture]:
+    """Every VeOmni fixture checkpoint, written once per run by VeOmni and verl's checkpoint manager on gloo."""
+    write = functools.partial(write_veomni_fixtures, python=veomni_python)
+    return written_by_world_size(tmp_path_factory, "veomni-fixtures", VEOMNI_FIXTURE_SPECS, write, veomni_fixture_at)
 
 
 MEGATRON_FIXTURE_SPECS = [

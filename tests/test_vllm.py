@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import vllm_venv
+from tests import side_venvs
 from tests.conftest import WIDE_SPEC
 from tests.merging import merge_with_engine, model_class
 
@@ -25,8 +25,8 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="session")
 def vllm_python(request) -> Path:
-    """Python of a venv holding vLLM's CPU build (`tests.vllm_venv`)."""
-    return vllm_venv.vllm_python(request.config.stash.get(vllm_venv.BUILDING, None))
+    """Python of a venv holding vLLM's CPU build (`tests.side_venvs`)."""
+    return side_venvs.python_of(side_venvs.VLLM, request)
 
 
 def vllm_log_probs(python: Path, model_dir: Path, workdir: Path) -> torch.Tensor:

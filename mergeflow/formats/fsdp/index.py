@@ -18,6 +18,7 @@ import torch
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.errors import CheckpointError, quoted
+from mergeflow.formats.fsdp.expert_split import ExpertSplit, expert_split, is_expert_mesh
 from mergeflow.formats.fsdp.layout import RankFiles, no_zip_directory
 from mergeflow.formats.fsdp.placement import (
     REPLICATE,
@@ -74,6 +75,8 @@ class ShardIndex:
     aliases: dict[str, str]
     """Names whose tensor shares storage with an earlier name (tied weights), mapped to that name."""
     fsdp_version: int | None = None
+    expert_parallel: int = 1
+    """VeOmni's expert-parallel size: how many groups of ranks the experts are split over (`expert_split`)."""
     loaded: "LoadedRanks" = field(default_factory=lambda: LoadedRanks(), compare=False, repr=False)
 
     def facts(self) -> dict[str, object]:
@@ -81,6 +84,7 @@ class ShardIndex:
             "fsdp_version": self.fsdp_version,
             "mesh_shape": list(self.mesh_shape),
             "mesh_dim_names": list(self.mesh_dim_names) if self.mesh_dim_names else None,
+            "expert_parallel": self.expert_parallel,
             "placements": dict(Counter(",".join(t.placements) or "plain" for t in self.tensors.values())),
         }
 
@@ -222,8 +226,8 @@ def index_shards(rank_files: RankFiles) -> ShardIndex:
     states = [load_rank_state(path) for path in rank_files.paths]
     names = list(states[0])
     _check_same_keys(states, rank_files)
-    mesh_shape, mesh_dim_names, coordinates = _mesh_of(states, rank_files)
-    tensors = {name: _source_tensor(name, states, rank_files, mesh_shape, coordinates) for name in names}
+    mesh_shape, mesh_dim_names, experts = _meshes_of(states, rank_files)
+    tensors = {name: _source_tensor(name, states, rank_files, experts) for name in names}
     return ShardIndex(
         checkpoint_dir=rank_files.checkpoint_dir,
         world_size=rank_files.world_size,
@@ -233,6 +237,7 @@ def index_shards(rank_files: RankFiles) -> ShardIndex:
         tensors=tensors,
         aliases=_storage_aliases(states[0]),
         fsdp_version=rank_files.fsdp_version,
+        expert_parallel=experts.size if experts else 1,
         loaded=LoadedRanks.of(rank_files, states),
     )
 
@@ -255,19 +260,44 @@ def _check_same_keys(states: list[dict[str, RankTensor]], rank_files: RankFiles)
             )
 
 
-def _mesh_of(
+def _meshes_of(
     states: list[dict[str, RankTensor]], rank_files: RankFiles
-) -> tuple[tuple[int, ...], tuple[str, ...] | None, list[tuple[int, ...]]]:
-    """The device mesh every DTensor uses (one mesh for the whole checkpoint), checked against the world size,
-    and each rank's coordinate in it."""
-    positions = [{tensor.mesh for tensor in state.values() if tensor.mesh is not None} for state in states]
-    if not any(positions):
-        return (rank_files.world_size,), None, [(rank,) for rank in range(rank_files.world_size)]
-    meshes = {(position.shape, position.dim_names) for rank_positions in positions for position in rank_positions}
-    if len(meshes) > 1:
+) -> tuple[tuple[int, ...], tuple[str, ...] | None, ExpertSplit | None]:
+    """The device mesh every DTensor uses, checked against the world size and the ranks' positions in it; and, for
+    a VeOmni checkpoint with expert parallelism, how its expert tensors (on a mesh of their own) are split."""
+    if not any(tensor.mesh is not None for state in states for tensor in state.values()):
+        return (rank_files.world_size,), None, None
+    meshes = {tensor.mesh.key for state in states for tensor in state.values() if tensor.mesh is not None}
+    expert_meshes = {mesh for mesh in meshes if is_expert_mesh(mesh[1])}
+    dense_meshes = meshes - expert_meshes
+    if len(dense_meshes) != 1 or len(expert_meshes) > 1:
         shapes = ", ".join(sorted(f"{shape} {names}" for shape, names in meshes))
         raise CheckpointError(f"tensors of {rank_files.checkpoint_dir} use different device meshes: {shapes}")
-    (shape, names), = meshes
+    (shape, names), = dense_meshes
+    _check_dense_mesh(shape, names, _positions_on((shape, names), states, rank_files), rank_files)
+    if not expert_meshes:
+        return shape, names, None
+    (expert_mesh,) = expert_meshes
+    positions = _positions_on(expert_mesh, states, rank_files)
+    return shape, names, expert_split(next(p for p in positions if p is not None), positions, rank_files)
+
+
+def _positions_on(
+    mesh: tuple[tuple[int, ...], tuple[str, ...] | None], states: list[dict[str, RankTensor]], rank_files: RankFiles
+) -> list[MeshPosition | None]:
+    """Each rank's position on `mesh` (shape and dim names), as its DTensors on that mesh record it."""
+    positions = []
+    for state, path in zip(states, rank_files.paths, strict=True):
+        on_mesh = {tensor.mesh for tensor in state.values() if tensor.mesh and tensor.mesh.key == mesh}
+        if len(on_mesh) > 1:
+            raise CheckpointError(f"the DTensors of {path} disagree on the rank's mesh position")
+        positions.append(next(iter(on_mesh), None))
+    return positions
+
+
+def _check_dense_mesh(
+    shape: tuple[int, ...], names: tuple[str, ...] | None, positions: list[MeshPosition | None], rank_files: RankFiles
+) -> None:
     if names is not None and not set(names) <= SUPPORTED_MESH_DIM_NAMES:
         raise CheckpointError(
             f"unsupported device mesh dims {names} in {rank_files.paths[0]}: mergeflow merges FSDP/HSDP meshes "
@@ -278,16 +308,11 @@ def _mesh_of(
             f"device mesh {shape} of {rank_files.paths[0]} holds {math.prod(shape)} ranks, "
             f"but the checkpoint has world_size={rank_files.world_size}"
         )
-    coordinates = []
-    for rank, rank_positions in enumerate(positions):
-        if not rank_positions:
+    for rank, position in enumerate(positions):
+        if position is None:
             raise CheckpointError(f"{rank_files.paths[rank]} holds no DTensors, but other ranks of the checkpoint do")
-        if len(rank_positions) > 1:
-            raise CheckpointError(f"the DTensors of {rank_files.paths[rank]} disagree on the rank's mesh position")
-        coordinates.append(next(iter(rank_positions)).coordinate)
-    if len(set(coordinates)) != len(coordinates):
+    if len({position.coordinate for position in positions}) != len(positions):
         raise CheckpointError(f"two rank files of {rank_files.checkpoint_dir} hold the same mesh position")
-    return shape, names, coordinates
 
 
 def _placement_names(tensor, name: str, path: Path) -> tuple[str, ...]:
@@ -312,12 +337,13 @@ def _source_tensor(
     name: str,
     states: list[dict[str, RankTensor]],
     rank_files: RankFiles,
-    mesh_shape: tuple[int, ...],
-    coordinates: list[tuple[int, ...]],
+    experts: ExpertSplit | None,
 ) -> SourceTensor:
     first = states[0][name]
     if not first.is_dtensor:
         return _replicated_plain_tensor(name, states, rank_files)
+    split = experts if first.mesh is not None and is_expert_mesh(first.mesh.dim_names) else None
+    shape = split.full_shape(first.shape) if split else first.shape
     blocks = []
     for rank, state in enumerate(states):
         tensor, path = state[name], rank_files.paths[rank]
@@ -327,18 +353,20 @@ def _source_tensor(
             )
         if tensor.placements != first.placements:
             raise CheckpointError(f'tensor "{name}" has different placements on {path} than on rank 0')
-        offset, local_shape = local_block(first.shape, mesh_shape, coordinates[rank], first.placements)
+        if tensor.mesh.dim_names != first.mesh.dim_names:
+            raise CheckpointError(f'tensor "{name}" is on a different device mesh in {path} than on rank 0')
+        offset, local_shape = local_block(first.shape, tensor.mesh.shape, tensor.mesh.coordinate, first.placements)
         actual = tuple(tensor.local.shape)
         if actual != local_shape:
             raise CheckpointError(
                 f'tensor "{name}" in {path} has local shape {actual}, expected {local_shape} for global shape '
-                f"{first.shape} with placements {first.placements} on mesh {mesh_shape}"
+                f"{first.shape} with placements {first.placements} on mesh {tensor.mesh.shape}"
             )
-        blocks.append(Block(rank, offset, local_shape))
+        blocks.append(Block(rank, split.offset(rank, first.shape, offset) if split else offset, local_shape))
     chosen = unique_blocks(blocks)
-    if not covers_exactly(first.shape, chosen):
-        raise CheckpointError(f'the rank blocks of tensor "{name}" do not cover its global shape {first.shape}')
-    return SourceTensor(name, dtype_name(first.dtype), first.shape, first.placements, chosen)
+    if not covers_exactly(shape, chosen):
+        raise CheckpointError(f'the rank blocks of tensor "{name}" do not cover its global shape {shape}')
+    return SourceTensor(name, dtype_name(first.dtype), shape, first.placements, chosen)
 
 
 def _replicated_plain_tensor(name: str, states: list[dict[str, RankTensor]], rank_files: RankFiles) -> SourceTensor:

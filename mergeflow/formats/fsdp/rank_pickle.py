@@ -35,6 +35,11 @@ class MeshPosition:
     dim_names: tuple[str, ...] | None
     coordinate: tuple[int, ...]
 
+    @property
+    def key(self) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+        """What tells one mesh from another: its shape and dim names."""
+        return self.shape, self.dim_names
+
 
 @dataclass(frozen=True)
 class RankTensor:
