@@ -20,6 +20,7 @@ from mergeflow.lora import LoraFold, LoraPlan
 from mergeflow.options import DEFAULT_DTYPE, MAX_SHARD_SIZE, check_dtype, check_quantize
 from mergeflow.spec.model_spec import DECODER_LAYER, MTP_PREFIX, ModelSpec, SavedView, swapped
 from mergeflow.spec.peft_names import ADAPTER_WEIGHTS_FILE
+from mergeflow.spec.stacked_experts import with_stacked_halves
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -107,6 +108,7 @@ def plan_merge(
         sources = {name: source for name, source in sources.items() if name not in mtp}
     dropped = {name: spec.tied[name] for name in sources if name in spec.tied}
     kept = {name: source for name, source in sources.items() if name not in dropped}
+    spec = with_stacked_halves(spec, kept)
     expected = expected_shapes(spec, kept)
     _check_against_config(kept, expected, spec, index.checkpoint_dir)
     folds = lora.folds if lora is not None else {}

@@ -33,6 +33,7 @@ from tests.writers.megatron import (
 )
 from tests.writers.veomni import VeomniFixture, VeomniFixtureSpec, veomni_fixture_at, write_veomni_fixtures
 
+REPO = Path(__file__).resolve().parents[1]
 GENERATION_CONFIG = {
     "do_sample": True,
     "temperature": 0.7,
@@ -181,6 +182,19 @@ def fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every fixture checkpoint, written once per run by real torch FSDP on gloo."""
     specs = [*FIXTURE_SPECS, *LORA_FIXTURE_SPECS, REMOTE_CODE_SPEC, WIDE_SPEC]
     return written_by_world_size(tmp_path_factory, "fixtures", specs, write_fixtures, fixture_at)
+
+
+STACKED_EXPERTS_SPEC = FixtureSpec("qwen3moe-stacked-halves-ws2", model="qwen3_moe", world_size=2, tie=False)
+"""Experts stacked one projection per tensor, as VeOmni's models hold them under transformers 4."""
+
+
+@pytest.fixture(scope="session")
+def stacked_experts_fixture(tmp_path_factory) -> Fixture:
+    """The stacked-experts checkpoint, written once per run by real torch FSDP2 (`tests.writers.stacked_experts_worker`)."""
+    write = functools.partial(
+        write_fixtures, [STACKED_EXPERTS_SPEC], worker="tests.writers.stacked_experts_worker", import_root=REPO
+    )
+    return fixture_at(STACKED_EXPERTS_SPEC, written_once(tmp_path_factory, "stacked-experts", write))
 
 
 VEOMNI_FIXTURE_SPECS = [

@@ -132,3 +132,30 @@ def test_a_tensor_the_config_does_not_declare_keeps_its_name_beside_saved_names(
 
     assert plan.tensors["extra.bias"].source == "extra.bias"
     assert plan.unexpected == ("extra.bias",)
+
+
+FUSED_MOE = {"mlp.experts.gate_up_proj": (2, 6, 4), "mlp.experts.down_proj": (2, 4, 3)}
+PER_EXPERT_MOE = {
+    f"mlp.experts.{expert}.{half}.weight": ((3, 4), SavedView("mlp.experts.gate_up_proj", (4, 1), 24 * expert + 12 * part))
+    for expert in range(2)
+    for part, half in enumerate(("gate_proj", "up_proj"))
+} | {
+    f"mlp.experts.{expert}.down_proj.weight": ((4, 3), SavedView("mlp.experts.down_proj", (3, 1), 12 * expert))
+    for expert in range(2)
+}
+STACKED_HALVES = {"mlp.experts.gate_proj": (2, 3, 4), "mlp.experts.up_proj": (2, 3, 4), "mlp.experts.down_proj": (2, 4, 3)}
+"""VeOmni's experts under transformers 4: gate and up stacked apart, where transformers 5 fuses them."""
+
+
+def test_experts_stacked_as_separate_halves_are_written_one_tensor_per_expert():
+    plan = plan_merge(index_of(STACKED_HALVES), spec_of(FUSED_MOE, saved=PER_EXPERT_MOE), dtype="keep")
+
+    assert plan.tensors.keys() == PER_EXPERT_MOE.keys()
+    assert plan.tensors["mlp.experts.1.up_proj.weight"].view == SavedView("mlp.experts.up_proj", (4, 1), 12)
+    assert plan.tensors["mlp.experts.1.gate_proj.weight"].view == SavedView("mlp.experts.gate_proj", (4, 1), 12)
+    assert plan.tensors["mlp.experts.0.down_proj.weight"].view == SavedView("mlp.experts.down_proj", (3, 1), 0)
+
+
+def test_a_stacked_half_of_the_wrong_shape_is_named():
+    with pytest.raises(PlanError, match=r"mlp\.experts\.up_proj: got \(2, 4, 4\), expected \(2, 3, 4\)"):
+        plan_merge(index_of({**STACKED_HALVES, "mlp.experts.up_proj": (2, 4, 4)}), spec_of(FUSED_MOE, saved=PER_EXPERT_MOE))

@@ -97,3 +97,13 @@ def test_an_expert_mesh_that_does_not_divide_the_world_is_refused():
 
     with pytest.raises(CheckpointError, match="does not divide the checkpoint's world_size=3"):
         expert_split(found[0], found, rank_files(3))
+
+
+def test_experts_stacked_one_projection_per_tensor_merge_to_the_original(stacked_experts_fixture, tmp_path):
+    output = merge_with_engine(stacked_experts_fixture.checkpoint_dir, tmp_path / "merged", dtype="keep").folder
+
+    reference = load_weights(stacked_experts_fixture.reference_dir)
+    merged = load_weights(output)
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[key], tensor) for key, tensor in reference.items())
+    assert torch.equal(logits(output, torch.float32), logits(stacked_experts_fixture.reference_dir, torch.float32))
