@@ -115,11 +115,14 @@ def test_a_missing_file_is_skipped(tmp_path, monkeypatch):
     reading.stop()
 
 
-def test_a_second_start_while_it_runs_starts_nothing_more(tmp_path):
+def test_a_second_start_while_it_runs_starts_nothing_more(tmp_path, monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(read_ahead_module, "_read_ahead", lambda paths, budget, stop: release.wait())
     reading = ReadAhead([str(cold_file(tmp_path / "a.pt"))]).start()
     threads = read_ahead_threads()
 
     reading.start()
 
-    assert read_ahead_threads() <= threads
+    assert read_ahead_threads() == threads == 1
+    release.set()
     reading.stop()

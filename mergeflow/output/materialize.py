@@ -106,7 +106,7 @@ class PlannedTensors:
         row = math.prod(self._index.tensors[tensor.source].shape[1:])
         low, high = first // row, last // row + 1
         piece = self._piece(tensor.source, low, high, dtype)
-        return torch.as_strided(piece, shape, stride, first - low * row).contiguous()
+        return torch.as_strided(piece, shape, stride, piece.storage_offset() + first - low * row).contiguous()
 
     def _piece(self, name: str, low: int, high: int, dtype: torch.dtype) -> torch.Tensor:
         """Source rows `[low, high)` in `dtype`; the last piece is kept, as consecutive tensors (one expert's
