@@ -22,10 +22,13 @@ class Checkpoint:
     step: int
     role: str
     backend: str
+    in_step_dir: bool = False
+    """Saved in the step's directory itself rather than its role's (verl's TorchTitan engine saves the actor so)."""
 
     @property
     def local_dir(self) -> str:
-        return str(Path(self.run_dir) / step_dir_name(self.step) / self.role)
+        step_dir = Path(self.run_dir) / step_dir_name(self.step)
+        return str(step_dir if self.in_step_dir else step_dir / self.role)
 
     @property
     def is_value_model(self) -> bool:
@@ -66,13 +69,20 @@ def latest_step(run_dir: Path) -> int | None:
 
 
 def checkpoints_of_step(run_dir: Path, step: int) -> list[Checkpoint]:
-    """The step's roles that a backend recognises and whose save has finished."""
+    """The step's roles that a backend recognises and whose save has finished; else the step's directory itself,
+    as the actor's, when a backend recognises it (a TorchTitan archive) and its save has finished."""
     step_dir = Path(run_dir) / step_dir_name(step)
+    run = str(Path(run_dir).absolute())
     found = []
     for role in ROLE_SUBDIRS:
         backend = registry.backend_of(step_dir / role) if (step_dir / role).is_dir() else None
         if backend is not None and backend.is_complete(step_dir / role):
-            found.append(Checkpoint(str(Path(run_dir).absolute()), step, role, backend.name))
+            found.append(Checkpoint(run, step, role, backend.name))
+    if found or not step_dir.is_dir():
+        return found
+    backend = registry.backend_of(step_dir)
+    if backend is not None and backend.is_complete(step_dir):
+        found.append(Checkpoint(run, step, ROLE_SUBDIRS[0], backend.name, in_step_dir=True))
     return found
 
 

@@ -31,6 +31,12 @@ from tests.writers.megatron import (
     megatron_fixture_at,
     write_megatron_fixtures,
 )
+from tests.writers.torchtitan import (
+    TorchTitanFixture,
+    TorchTitanFixtureSpec,
+    torchtitan_fixture_at,
+    write_torchtitan_fixtures,
+)
 from tests.writers.veomni import VeomniFixture, VeomniFixtureSpec, veomni_fixture_at, write_veomni_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,6 +220,27 @@ def veomni_fixtures(tmp_path_factory, veomni_python) -> dict[str, VeomniFixture]
     """Every VeOmni fixture checkpoint, written once per run by VeOmni and verl's checkpoint manager on gloo."""
     write = functools.partial(write_veomni_fixtures, python=veomni_python)
     return written_by_world_size(tmp_path_factory, "veomni-fixtures", VEOMNI_FIXTURE_SPECS, write, veomni_fixture_at)
+
+
+TORCHTITAN_FIXTURE_SPECS = [
+    TorchTitanFixtureSpec("torchtitan-qwen3-tied-ws2"),
+    TorchTitanFixtureSpec("torchtitan-qwen3moe-ws2", model="qwen3_moe", tie=False),
+]
+
+
+@pytest.fixture(scope="session")
+def torchtitan_python(request) -> Path:
+    """Python of a venv holding torchtitan (`tests.side_venvs`)."""
+    return side_venvs.python_of(side_venvs.TORCHTITAN, request)
+
+
+@pytest.fixture(scope="session")
+def torchtitan_fixtures(tmp_path_factory, torchtitan_python) -> dict[str, TorchTitanFixture]:
+    """Every TorchTitan fixture checkpoint, written once per run by torchtitan's checkpoint manager on gloo."""
+    write = functools.partial(write_torchtitan_fixtures, python=torchtitan_python)
+    return written_by_world_size(
+        tmp_path_factory, "torchtitan-fixtures", TORCHTITAN_FIXTURE_SPECS, write, torchtitan_fixture_at
+    )
 
 
 MEGATRON_FIXTURE_SPECS = [

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint
 import transformers
 from safetensors.torch import load_file
 
-from mergeflow.formats.megatron.dcp import read_metadata, read_slice
+from mergeflow.formats.dcp import read_metadata, read_slice
 from mergeflow.job import MergeJob
 from mergeflow.options import MergeOptions
 from mergeflow.output.manifest import SavedModel

@@ -1,5 +1,5 @@
 """Venvs of their own, for the parts of the suite whose packages cannot live beside mergeflow's: vLLM's CPU build,
-and VeOmni with verl (VeOmni's models target transformers 5.9). Each is made once under the user's cache (a few
+VeOmni with verl (VeOmni's models target transformers 5.9), and torchtitan (which wants triton and other pins). Each is made once under the user's cache (a few
 minutes), in the background from the start of a session that runs a test needing it, so that it is ready by the
 time that test runs. `python -m tests.side_venvs NAME` builds one."""
 
@@ -132,7 +132,24 @@ VEOMNI = SideVenv(
 )
 """VeOmni 0.1.12 (`--no-deps`: it pins other versions) beside the transformers its patched models target, and verl
 0.9.1 (`--no-deps`) with what its FSDP checkpoint manager imports: the writers of the VeOmni fixtures."""
-SIDE_VENVS = {venv.name: venv for venv in (VLLM, VEOMNI)}
+TORCHTITAN = SideVenv(
+    name="torchtitan-0.3.0",
+    installs=(
+        (
+            TORCH,
+            "torchdata",
+            "torch_checkpointing",
+            "datasets<4.8.0",
+            *("tokenizers", "safetensors", "tyro", "einops", "pillow", "spmd_types==0.2.3", "tensorboard", "triton"),
+        ),
+        ("--no-deps", "torchtitan==0.3.0"),
+    ),
+    fixture="torchtitan_python",
+    python_variable="MERGEFLOW_TORCHTITAN_PYTHON",
+)
+"""torchtitan 0.3.0 (`--no-deps`, beside torch's CPU build) and what it imports (triton only to import: its
+kernels are never run here): the writer of the TorchTitan fixtures."""
+SIDE_VENVS = {venv.name: venv for venv in (VLLM, VEOMNI, TORCHTITAN)}
 BUILDING = pytest.StashKey[dict[str, Build]]()
 """The session's background builds, by venv name."""
 

@@ -13,8 +13,8 @@ import torch
 
 from mergeflow.cli import EXIT_BAD_INPUT
 from mergeflow.errors import CheckpointError
+from mergeflow.formats.dcp import _FileWindow, read_metadata
 from mergeflow.formats.fsdp.rank_pickle import read_rank_pickle
-from mergeflow.formats.megatron.dcp import _FileWindow, read_metadata
 from mergeflow.formats.megatron.layout import find_megatron_checkpoint
 from mergeflow.output.staging import STAGING_PREFIX
 from tests.cli_runs import run_cli

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint
 from transformers import AutoConfig
 
-import mergeflow.formats.megatron.dcp
+import mergeflow.formats.dcp
 from mergeflow.errors import CheckpointError, PlanError
 from mergeflow.flows.merge import merge_checkpoint
 from mergeflow.formats.megatron.contents import CONTENTS_FILE
@@ -238,6 +238,20 @@ def test_a_megatron_checkpoint_merged_as_fsdp_says_which_backend_to_pass(megatro
     assert refused.value.hint.endswith(": pass --backend megatron")
 
 
+@pytest.mark.parametrize("wrapped_prefix", ["model.", "model.module."])
+def test_a_megatron_fsdp_archive_is_refused_naming_it(megatron_fixtures, tmp_path, wrapped_prefix):
+    fixture = megatron_fixtures["megatron-qwen2-tp1"]
+    checkpoint_dir = resaved_megatron_checkpoint(
+        fixture.model_dir,
+        tmp_path / "global_step_1" / "actor",
+        lambda state: {wrapped_prefix + key: value for key, value in state.items()},
+    )
+
+    with pytest.raises(CheckpointError, match=r"dist_ckpt is a Megatron-FSDP checkpoint .*which mergeflow does not read"):
+        merge_with_engine(checkpoint_dir, tmp_path / "out", backend="megatron")
+    assert not (tmp_path / "out").exists()
+
+
 def test_metadata_that_asks_for_code_is_refused_without_running_it(tmp_path):
     class Exploit:
         def __reduce__(self):
@@ -248,7 +262,7 @@ def test_metadata_that_asks_for_code_is_refused_without_running_it(tmp_path):
     (archive / ".metadata").write_bytes(pickle.dumps(Exploit()))
 
     with pytest.raises(CheckpointError, match=r"refusing to load global subprocess\.call"):
-        mergeflow.formats.megatron.dcp.read_metadata(archive)
+        mergeflow.formats.dcp.read_metadata(archive)
     assert not (tmp_path / "pwned").exists()
 
 

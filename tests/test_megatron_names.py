@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mergeflow.errors import PlanError
+from mergeflow.formats.dcp import StoredTensor
 from mergeflow.formats.megatron.cuts import COPY, GATE_UP_INTERLEAVED_T, Geometry, joined
-from mergeflow.formats.megatron.dcp import StoredTensor
 from mergeflow.formats.megatron.families import FAMILIES
 from mergeflow.formats.megatron.names import locate, targets
 

@@ -3,12 +3,13 @@
 from pathlib import Path
 
 from mergeflow.errors import CheckpointError, OptionError
-from mergeflow.formats import fsdp, hf_tree, megatron
+from mergeflow.formats import fsdp, hf_tree, megatron, torchtitan
 from mergeflow.formats.backend import Backend
 from mergeflow.formats.base import Layout
 
 BACKENDS: tuple[Backend, ...] = (
     fsdp.BACKEND,
+    torchtitan.BACKEND,
     megatron.BACKEND,
     hf_tree.BACKEND,
 )

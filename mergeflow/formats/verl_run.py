@@ -10,6 +10,9 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 ROLE_SUBDIRS = ("actor", "critic")
 HF_SUBDIR = "huggingface"
 """The folder verl saves beside a checkpoint's weights: the model's config, tokenizer and chat template."""
+TORCHTITAN_STEP_DIR = re.compile(r"^step-(\d+)$")
+"""Where verl's TorchTitan engine has torchtitan save a step: its checkpoint folder set to `global_step_N/`, torchtitan
+writes `step-N/` there (a DCP archive of model, optimizer, LR scheduler and train state)."""
 
 
 def step_dir_name(step: int) -> str:

@@ -21,6 +21,7 @@ def require_config(config_dir: Path) -> Path:
     if not path.is_file():
         raise CheckpointError(
             f"missing {path}: verl saves the model config in <checkpoint>/huggingface/",
-            hint="pass --hf_model_config_path DIR if it lives elsewhere",
+            hint="pass --hf_model_config_path DIR if it lives elsewhere (verl's TorchTitan engine saves none: pass the "
+            "model the run started from)",
         )
     return path

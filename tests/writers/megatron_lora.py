@@ -21,7 +21,7 @@ from peft import PeftModel
 
 from mergeflow.demo.fsdp import TRACKER_FILE
 from mergeflow.demo.models import tiny_lora
-from mergeflow.formats.megatron.dcp import read_metadata, read_slice
+from mergeflow.formats.dcp import read_metadata, read_slice
 from tests.writers.megatron import MegatronFixture, fused_qkv
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -20,6 +20,7 @@ import torch
 
 from mergeflow.dtypes import dtype_name
 from mergeflow.errors import CheckpointError, PlanError, quoted
+from mergeflow.formats.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.formats.megatron.cuts import (
     COPY,
     RANK_HALVES,
@@ -29,9 +30,9 @@ from mergeflow.formats.megatron.cuts import (
     split_joined,
     split_part,
 )
-from mergeflow.formats.megatron.dcp import StoredTensor, read_metadata, read_slice
 from mergeflow.formats.megatron.layout import MegatronLayout
 from mergeflow.formats.megatron.names import (
+    MEGATRON_FSDP_KEY,
     TRAINING_STATE,
     VALUE_HEAD,
     adapter_targets,
@@ -120,6 +121,7 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
     stored = {
         key: entry for key, entry in read_metadata(Path(layout.dist_ckpt_dir)).items() if not TRAINING_STATE.match(key)
     }
+    _refuse_megatron_fsdp(stored, layout)
     tensors: dict[str, MegatronTensor] = {}
     expert_parts: dict[str, dict[int, MegatronTensor]] = {}
     pieces: dict[tuple[str, int | None], dict[int, tuple[MegatronTensor, tuple[int, ...]]]] = {}
@@ -186,6 +188,22 @@ def index_megatron(layout: MegatronLayout, spec: ModelSpec) -> MegatronIndex:
         saved_layout=layout.saved_layout,
         parallelism=layout.parallelism(),
     )
+
+
+def _refuse_megatron_fsdp(stored: dict[str, StoredTensor], layout: MegatronLayout) -> None:
+    """Refuse an archive that Megatron-FSDP wrote (`MEGATRON_FSDP_KEY`): this backend does not read it.
+
+    Raises:
+        CheckpointError: naming the archive and one of its keys.
+    """
+    keys = [key for key in stored if MEGATRON_FSDP_KEY.match(key)]
+    if keys:
+        raise CheckpointError(
+            f"{layout.dist_ckpt_dir} is a Megatron-FSDP checkpoint (verl's use_megatron_fsdp: DTensors saved by torch "
+            f'DCP under the wrapped model\'s names, such as "{keys[0]}"), which mergeflow does not read',
+            hint="save the Hugging Face model with it (checkpoint save_contents including hf_model) and pass "
+            "--backend hf, or train with Megatron's distributed optimizer instead of Megatron-FSDP",
+        )
 
 
 def _joined(parts: list[tuple[MegatronTensor, tuple[int, ...]]]) -> MegatronTensor:

@@ -2,12 +2,12 @@
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError
+from mergeflow.formats.dcp_files import DATA_FILE, METADATA_FILE
 from mergeflow.formats.megatron.contents import (
     CONTENTS_FILE,
     HF_FORMAT,
@@ -15,18 +15,15 @@ from mergeflow.formats.megatron.contents import (
     is_v2_layout,
     read_contents,
 )
-from mergeflow.formats.verl_run import HF_SUBDIR, ROLE_SUBDIRS
+from mergeflow.formats.verl_run import HF_SUBDIR, ROLE_SUBDIRS, TORCHTITAN_STEP_DIR
 
 if TYPE_CHECKING:
     from mergeflow.formats.megatron.index import MegatronIndex
     from mergeflow.spec.model_spec import ModelSpec
 
-METADATA_FILE = ".metadata"
-"""The torch_dist archive's index (PyTorch DCP)."""
 DIST_CKPT_SUBDIR = "dist_ckpt"
 HF_WEIGHT_FILES = "*.safetensors"
 MODEL_SUBDIR = "model"
-DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 TRANSFORMER_CONFIG_FILE = "transformer_config.json"
 """megatron-core's TransformerConfig, as verl saves it with the `extra` contents."""
 PARALLEL_SIZES = (
@@ -124,7 +121,7 @@ def find_megatron_checkpoint(local_dir: Path) -> MegatronLayout:
             )
         if (base / DIST_CKPT_SUBDIR).is_dir():
             return MegatronLayout(str(local_dir), str(_archive(base / DIST_CKPT_SUBDIR)), str(base / HF_SUBDIR))
-    if (local_dir / METADATA_FILE).is_file():
+    if (local_dir / METADATA_FILE).is_file() and not TORCHTITAN_STEP_DIR.match(local_dir.name):
         return MegatronLayout(str(local_dir), str(local_dir), str(local_dir.parent / HF_SUBDIR))
     roles = [role for role in ROLE_SUBDIRS if (local_dir / role).is_dir()]
     hint = f": pass {local_dir / roles[0]}" if roles else ""

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mergeflow.errors import PlanError
+from mergeflow.formats.dcp import StoredTensor
 from mergeflow.formats.megatron.cuts import COPY, GATE, UP, Geometry, K, Q, V, joined
-from mergeflow.formats.megatron.dcp import StoredTensor
 from mergeflow.formats.megatron.families import FAMILIES, Family, KeyTable
 
 LAYERS = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?")
@@ -24,6 +24,11 @@ EXPERTS = re.compile(r"\.experts\.experts\.(?:(\d+)\.)?")
 """Routed experts: on an axis of their own (no index) or one key per expert (`.experts.experts.7.`)."""
 TRAINING_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.")
 """Optimizer state (Adam moments, fp32 master weights) that verl's 2025 layout saved in the same archive."""
+MEGATRON_FSDP_KEY = re.compile(r"^model\d*\.(?:module\.)?(?:embedding|decoder|output_layer|language_model|vision_model)\.")
+"""A tensor of a Megatron-FSDP checkpoint (verl's `use_megatron_fsdp`): the wrapped model's DTensor state dict saved
+by torch DCP under its place in verl's state dict (`model.`, `model0.` per virtual stage), where megatron-core's
+dist_checkpointing keys tensors by their own names. Derived from verl 0.9.1's `MegatronCheckpointManager` and
+megatron-core 0.16.1's `transformer/fsdp_dtensor_checkpoint.py`; no such archive was written here."""
 ADAPTER = re.compile(r"^(?P<base>.+)\.adapter\.linear_(?P<side>in|out)\.weight$")
 """A LoRA adapter's tensor, as Megatron-Bridge's `LoRALinear` saves it beside the layer it adapts: `linear_in` is
 PEFT's lora_A, `linear_out` its lora_B."""

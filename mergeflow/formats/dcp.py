@@ -1,4 +1,4 @@
-"""PyTorch Distributed Checkpoint (DCP) archives, as Megatron's `torch_dist` format writes them: a
+"""PyTorch Distributed Checkpoint (DCP) archives, as Megatron's `torch_dist` format and torchtitan write them: a
 pickled `.metadata` (global shape, dtype and chunks of every tensor) and `__R_K.distcp` files that
 hold each chunk as a `torch.save` blob at a recorded offset.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats.megatron.layout import METADATA_FILE
+from mergeflow.formats.dcp_files import METADATA_FILE
 
 DCP_ALLOWED_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
@@ -84,7 +84,7 @@ def read_metadata(checkpoint_dir: Path) -> dict[str, StoredTensor]:
     """
     path = Path(checkpoint_dir) / METADATA_FILE
     if not path.is_file():
-        raise CheckpointError(f"not a torch_dist checkpoint: {checkpoint_dir} has no {METADATA_FILE} file")
+        raise CheckpointError(f"not a DCP archive: {checkpoint_dir} has no {METADATA_FILE} file")
     import torch.distributed.checkpoint.metadata  # noqa: F401  (the classes the metadata refers to)
 
     try:
