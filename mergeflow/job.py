@@ -336,14 +336,17 @@ class MergeJob:
 
     def run(self, *, overwrite: bool = False) -> "SavedModel":
         """The whole merge without Prefect (the engine run of the bench and the tests): the weight files and
-        the rest into the staging folder, renamed into place (no validation, no model card). A failure
-        removes the staging folder and leaves the target as it was."""
+        the rest (or a ready model's copy) into the staging folder, renamed into place (no validation, no model
+        card). A failure removes the staging folder and leaves the target as it was."""
         from mergeflow.output.save import relocated
         from mergeflow.output.staging import publish
 
         try:
-            plan = self.plan(replace=overwrite)
-            saved = self.save([self.write_shard(filename) for filename in plan.weight_files])
+            if self.layout().model_dir is not None:
+                saved = self.copy_model(replace=overwrite)
+            else:
+                plan = self.plan(replace=overwrite)
+                saved = self.save([self.write_shard(filename) for filename in plan.weight_files])
             publish(self.staging_dir, Path(self.target_dir), overwrite=overwrite, protected=self.protected())
         except BaseException:
             shutil.rmtree(self.staging_dir, ignore_errors=True)

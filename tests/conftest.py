@@ -207,6 +207,8 @@ VEOMNI_FIXTURE_SPECS = [
     VeomniFixtureSpec("veomni-qwen3moe-ep2-ws2"),
     VeomniFixtureSpec("veomni-qwen3moe-ep2-sp2-ws4", world_size=4, ulysses=2),
 ]
+VEOMNI_HF_MODEL_SPEC = VeomniFixtureSpec("veomni-qwen3moe-hf-model-ws2", expert_parallel=1, save_contents=("hf_model",))
+"""verl's FSDP checkpoint manager saving the Hugging Face model alone (`save_contents: [hf_model]`)."""
 
 
 @pytest.fixture(scope="session")
@@ -219,7 +221,8 @@ def veomni_python(request) -> Path:
 def veomni_fixtures(tmp_path_factory, veomni_python) -> dict[str, VeomniFixture]:
     """Every VeOmni fixture checkpoint, written once per run by VeOmni and verl's checkpoint manager on gloo."""
     write = functools.partial(write_veomni_fixtures, python=veomni_python)
-    return written_by_world_size(tmp_path_factory, "veomni-fixtures", VEOMNI_FIXTURE_SPECS, write, veomni_fixture_at)
+    specs = [*VEOMNI_FIXTURE_SPECS, VEOMNI_HF_MODEL_SPEC]
+    return written_by_world_size(tmp_path_factory, "veomni-fixtures", specs, write, veomni_fixture_at)
 
 
 TORCHTITAN_FIXTURE_SPECS = [

@@ -243,7 +243,7 @@ def test_a_megatron_fsdp_archive_is_refused_naming_it(megatron_fixtures, tmp_pat
     fixture = megatron_fixtures["megatron-qwen2-tp1"]
     checkpoint_dir = resaved_megatron_checkpoint(
         fixture.model_dir,
-        tmp_path / "global_step_1" / "actor",
+        tmp_path / "run" / "global_step_1" / "actor",
         lambda state: {wrapped_prefix + key: value for key, value in state.items()},
     )
 

@@ -11,7 +11,7 @@ from mergeflow.formats.fsdp.expert_split import ExpertSplit, expert_split
 from mergeflow.formats.fsdp.layout import RankFiles
 from mergeflow.formats.fsdp.rank_pickle import MeshPosition
 from mergeflow.job import MergeJob
-from tests.conftest import VEOMNI_FIXTURE_SPECS
+from tests.conftest import VEOMNI_FIXTURE_SPECS, VEOMNI_HF_MODEL_SPEC
 from tests.merging import load_weights, logits, merge_with_engine
 
 pytestmark = pytest.mark.slow
@@ -22,11 +22,11 @@ EXPERT_MESH = ("ep_fsdp",)
 
 @pytest.fixture(scope="module")
 def merged(veomni_fixtures, tmp_path_factory):
-    """Each fixture merged once in float32 (`keep`), by the engine."""
+    """Each fixture of rank files merged once in float32 (`keep`), by the engine."""
     root = tmp_path_factory.mktemp("veomni-merged")
     return {
-        name: merge_with_engine(fixture.checkpoint_dir, root / name, dtype="keep").folder
-        for name, fixture in veomni_fixtures.items()
+        name: merge_with_engine(veomni_fixtures[name].checkpoint_dir, root / name, dtype="keep").folder
+        for name in VEOMNI_FIXTURE_NAMES
     }
 
 
@@ -85,6 +85,18 @@ def test_the_groups_are_the_world_over_the_expert_mesh_with_ep_innermost():
     assert split.offset(3, (2, 32, 24), (0, 16, 0)) == (2, 16, 0)
 
 
+def test_under_hsdp_the_expert_mesh_is_replicas_of_fsdp_groups_with_ep_innermost():
+    mesh = (2, 2)
+    found = [
+        MeshPosition(mesh, ("ep_replicate", "ep_fsdp"), (rank // 4, rank // 2 % 2)) for rank in range(8)
+    ]
+
+    split = expert_split(found[0], found, rank_files(8))
+
+    assert split.size == 2
+    assert [split.position_of(rank) for rank in range(8)] == [position.coordinate for position in found]
+
+
 def test_a_rank_where_veomnis_layout_does_not_put_it_is_refused():
     found = positions((0,), (1,), (0,), (1,), shape=(2,))
 
@@ -107,3 +119,17 @@ def test_experts_stacked_one_projection_per_tensor_merge_to_the_original(stacked
     assert merged.keys() == reference.keys()
     assert all(torch.equal(merged[key], tensor) for key, tensor in reference.items())
     assert torch.equal(logits(output, torch.float32), logits(stacked_experts_fixture.reference_dir, torch.float32))
+
+
+def test_an_hf_model_only_save_by_verls_manager_is_copied_and_names_its_backend(veomni_fixtures, tmp_path):
+    fixture = veomni_fixtures[VEOMNI_HF_MODEL_SPEC.name]
+
+    with pytest.raises(CheckpointError, match="not an FSDP checkpoint") as refused:
+        merge_with_engine(fixture.checkpoint_dir, tmp_path / "as-fsdp")
+    output = merge_with_engine(fixture.checkpoint_dir, tmp_path / "merged", backend="hf").folder
+
+    assert refused.value.hint.endswith("pass --backend hf")
+    reference = load_weights(fixture.reference_dir)
+    merged = load_weights(output)
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[key], tensor) for key, tensor in reference.items())

@@ -70,7 +70,7 @@ def save(model, job: dict) -> None:
     from transformers import AutoTokenizer
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
-    contents = ["model", "extra"]
+    contents = list(job["save_contents"])
     manager = FSDPCheckpointManager(
         model=model,
         processing_class=AutoTokenizer.from_pretrained(job["reference_dir"]),
