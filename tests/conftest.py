@@ -228,6 +228,7 @@ def veomni_fixtures(tmp_path_factory, veomni_python) -> dict[str, VeomniFixture]
 TORCHTITAN_FIXTURE_SPECS = [
     TorchTitanFixtureSpec("torchtitan-qwen3-tied-ws2"),
     TorchTitanFixtureSpec("torchtitan-qwen3moe-ws2", model="qwen3_moe", tie=False),
+    TorchTitanFixtureSpec("torchtitan-llama-ws2", model="llama", tie=False),
 ]
 
 

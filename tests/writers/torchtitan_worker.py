@@ -1,7 +1,7 @@
 """One rank of the TorchTitan fixture writer, run in the torchtitan venv (`tests.side_venvs.TORCHTITAN`) by
 `mergeflow.demo.ranks`. verl 0.9.1's TorchTitan engine does not import against torchtitan 0.3.0, so the engine's
-part is done here as it does it: the model is built from torchtitan's own Qwen3 config builders, the reference
-weights are loaded through torchtitan's `Qwen3StateDictAdapter.from_hf`, the model is sharded with torch FSDP2, and
+part is done here as it does it: the model is built from torchtitan's own config builders (Qwen3, Llama 3), the
+reference weights are loaded through torchtitan's own state-dict adapter (`from_hf`), the model is sharded with torch FSDP2, and
 torchtitan's own `CheckpointManager` (with its optimizer and LR-scheduler containers) saves the step into the folder
 verl's engine points it at (`global_step_N/`, which makes `global_step_N/step-N/`)."""
 
@@ -13,7 +13,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 
-def model_config(hf: dict):
+def rope(hf: dict, rope_class, head_dim: int):
+    return rope_class.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=hf["rope_parameters"]["rope_theta"])
+
+
+def qwen3_config(hf: dict):
     """torchtitan's Qwen3 config of the reference's shape (dense, or MoE when it has experts)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import (
@@ -26,7 +30,6 @@ def model_config(hf: dict):
     from torchtitan.models.qwen3.model import Qwen3Model
 
     dim, head_dim, vocab = hf["hidden_size"], hf["head_dim"], hf["vocab_size"]
-    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=hf["rope_parameters"]["rope_theta"])
     shape = {
         "n_layers": hf["num_hidden_layers"],
         "dim": dim,
@@ -34,7 +37,7 @@ def model_config(hf: dict):
         "n_kv_heads": hf["num_key_value_heads"],
         "head_dim": head_dim,
         "attn_backend": "flex",
-        "rope": rope,
+        "rope": rope(hf, CosSinRoPE, head_dim),
     }
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     if experts:
@@ -58,13 +61,49 @@ def model_config(hf: dict):
     )
 
 
-def loaded_model(reference: Path):
-    """The reference model as torchtitan's, its weights converted by torchtitan's own adapter; and the adapter."""
+def llama3_config(hf: dict):
+    """torchtitan's Llama 3 config of the reference's shape (complex RoPE, no scaling)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.llama3 import _EMBEDDING_INIT, _LINEAR_INIT, _NORM_INIT, _build_llama3_layers
+    from torchtitan.models.llama3.model import Llama3Model
+
+    dim, heads, vocab = hf["hidden_size"], hf["num_attention_heads"], hf["vocab_size"]
+    return Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        enable_weight_tying=hf["tie_word_embeddings"],
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=_build_llama3_layers(
+            n_layers=hf["num_hidden_layers"],
+            dim=dim,
+            n_heads=heads,
+            n_kv_heads=hf["num_key_value_heads"],
+            hidden_dim=hf["intermediate_size"],
+            rope=rope(hf, ComplexRoPE, dim // heads),
+            attn_backend="flex",
+        ),
+    )
+
+
+def config_and_adapter(hf: dict):
+    """torchtitan's model config of the reference, and its own state-dict adapter class, by `model_type`."""
+    if hf["model_type"] == "llama":
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+        return llama3_config(hf), Llama3StateDictAdapter
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-    config = model_config(json.loads((reference / "config.json").read_text()))
+    return qwen3_config(hf), Qwen3StateDictAdapter
+
+
+def loaded_model(reference: Path):
+    """The reference model as torchtitan's, its weights converted by torchtitan's own adapter; and the adapter."""
+    config, adapter_class = config_and_adapter(json.loads((reference / "config.json").read_text()))
     model = config.build()
-    adapter = Qwen3StateDictAdapter(config, str(reference))
+    adapter = adapter_class(config, str(reference))
     weights = {name: tensor for path in sorted(reference.glob("*.safetensors")) for name, tensor in load_file(path).items()}
     model.load_state_dict(adapter.from_hf(weights), strict=False)  # leaves the load-balancing bias at zero
     return model, adapter

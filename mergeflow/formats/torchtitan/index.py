@@ -10,7 +10,7 @@ import torch
 from mergeflow.dtypes import dtype_name
 from mergeflow.errors import CheckpointError, PlanError, quoted
 from mergeflow.formats.dcp import StoredTensor, read_metadata, read_slice
-from mergeflow.formats.torchtitan.names import EXPERT_BIAS, TRAINING_STATE, hf_name, table_of
+from mergeflow.formats.torchtitan.names import EXPERT_BIAS, TRAINING_STATE, family_of, hf_name, template_of
 from mergeflow.spec.config_values import ConfigValues
 from mergeflow.spec.model_spec import ModelSpec
 
@@ -26,6 +26,8 @@ class TitanTensor:
     dtype: str
     shape: tuple[int, ...]
     key: str
+    interleaved_heads: int | None = None
+    """For rows held with each head's rotary halves interleaved: the number of heads (`Family.interleaved_rotary`)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ def index_torchtitan(checkpoint: "TorchTitanCheckpoint", spec: ModelSpec) -> Tor
         PlanError: a model family without a table, or keys its table does not map.
         CheckpointError: an unreadable archive, or a load-balancing bias that is not zero.
     """
-    table = table_of(ConfigValues(spec.config_values).model_type)
+    config = ConfigValues(spec.config_values)
+    family = family_of(config.model_type)
     archive = Path(checkpoint.archive_dir)
     stored = {key: entry for key, entry in read_metadata(archive).items() if not TRAINING_STATE.match(key)}
     biases = [key for key in stored if EXPERT_BIAS.match(key)]
@@ -67,9 +70,12 @@ def index_torchtitan(checkpoint: "TorchTitanCheckpoint", spec: ModelSpec) -> Tor
             )
     tensors, unmapped = {}, []
     for key, entry in stored.items():
-        name = hf_name(key, table)
+        name = hf_name(key, family.table)
         if name is not None:
-            tensors[name] = TitanTensor(name, dtype_name(entry.dtype), entry.shape, key)
+            heads = family.interleaved_rotary.get(template_of(key)[0])
+            tensors[name] = TitanTensor(
+                name, dtype_name(entry.dtype), entry.shape, key, getattr(config, heads) if heads else None
+            )
         elif key not in biases:
             unmapped.append(key)
     if unmapped:
@@ -99,8 +105,10 @@ class TorchTitanSource:
     def rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         if self._current is None or self._current[:2] != (name, dtype):
             tensor = self._index.tensors[name]
-            value = read_slice(Path(self._index.archive_dir), self._index.stored[tensor.key]).to(dtype)
-            self._current = (name, dtype, value)
+            value = read_slice(Path(self._index.archive_dir), self._index.stored[tensor.key])
+            if tensor.interleaved_heads:
+                value = half_split_rotary(value, tensor.interleaved_heads)
+            self._current = (name, dtype, value.to(dtype))
         value = self._current[2]
         return value if not value.dim() else value[start:stop]
 
@@ -109,3 +117,10 @@ class TorchTitanSource:
 
     def close(self) -> None:
         self._current = None
+
+
+def half_split_rotary(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """A q or k projection's rows with each head's rotary pairs, interleaved (`x0 y0 x1 y1 …`, torchtitan's complex
+    RoPE), reordered into Hugging Face's halves (`x0 x1 … y0 y1 …`)."""
+    total, columns = rows.shape
+    return rows.view(heads, total // heads // 2, 2, columns).transpose(1, 2).reshape(total, columns)
