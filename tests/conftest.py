@@ -25,6 +25,12 @@ from filelock import FileLock
 
 from mergeflow.demo.fsdp import Fixture, FixtureSpec, fixture_at, write_fixtures
 from tests import side_venvs
+from tests.writers.automodel import (
+    AutomodelFixture,
+    AutomodelFixtureSpec,
+    automodel_fixture_at,
+    write_automodel_fixtures,
+)
 from tests.writers.megatron import (
     MegatronFixture,
     MegatronFixtureSpec,
@@ -245,6 +251,22 @@ def torchtitan_fixtures(tmp_path_factory, torchtitan_python) -> dict[str, TorchT
     return written_by_world_size(
         tmp_path_factory, "torchtitan-fixtures", TORCHTITAN_FIXTURE_SPECS, write, torchtitan_fixture_at
     )
+
+
+AUTOMODEL_SPEC = AutomodelFixtureSpec("automodel-qwen3-ws2")
+
+
+@pytest.fixture(scope="session")
+def automodel_python(request) -> Path:
+    """Python of a venv holding nemo-automodel (`tests.side_venvs`)."""
+    return side_venvs.python_of(side_venvs.AUTOMODEL, request)
+
+
+@pytest.fixture(scope="session")
+def automodel_fixture(tmp_path_factory, automodel_python) -> AutomodelFixture:
+    """The Automodel fixture checkpoint, written once per run by nemo-automodel's checkpointer on gloo."""
+    write = functools.partial(write_automodel_fixtures, [AUTOMODEL_SPEC], python=automodel_python)
+    return automodel_fixture_at(AUTOMODEL_SPEC, written_once(tmp_path_factory, "automodel-fixtures", write))
 
 
 MEGATRON_FIXTURE_SPECS = [

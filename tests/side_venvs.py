@@ -1,5 +1,6 @@
 """Venvs of their own, for the parts of the suite whose packages cannot live beside mergeflow's: vLLM's CPU build,
-VeOmni with verl (VeOmni's models target transformers 5.9), and torchtitan (which wants triton and other pins). Each is made once under the user's cache (a few
+VeOmni with verl (VeOmni's models target transformers 5.9), torchtitan (which wants triton and other pins), and
+nemo-automodel (which pins transformers 5.18). Each is made once under the user's cache (a few
 minutes), in the background from the start of a session that runs a test needing it, so that it is ready by the
 time that test runs. `python -m tests.side_venvs NAME` builds one."""
 
@@ -149,7 +150,14 @@ TORCHTITAN = SideVenv(
 )
 """torchtitan 0.3.0 (`--no-deps`, beside torch's CPU build) and what it imports (triton only to import: its
 kernels are never run here): the writer of the TorchTitan fixtures."""
-SIDE_VENVS = {venv.name: venv for venv in (VLLM, VEOMNI, TORCHTITAN)}
+AUTOMODEL = SideVenv(
+    name="nemo-automodel-0.7.0",
+    installs=((TORCH, "transformers==5.18.0", "safetensors", "pyyaml"), ("--no-deps", "nemo-automodel==0.7.0")),
+    fixture="automodel_python",
+    python_variable="MERGEFLOW_AUTOMODEL_PYTHON",
+)
+"""nemo-automodel 0.7.0 (`--no-deps`) beside the transformers it pins: the writer of the Automodel fixtures."""
+SIDE_VENVS = {venv.name: venv for venv in (VLLM, VEOMNI, TORCHTITAN, AUTOMODEL)}
 BUILDING = pytest.StashKey[dict[str, Build]]()
 """The session's background builds, by venv name."""
 

@@ -2,9 +2,10 @@
 `save_pretrained` output of an FSDP fixture's model (its reference). The layouts are derived from verl's source:
 `FSDPCheckpointManager.save_checkpoint` with `save_contents=["hf_model"]` saves the model with `save_pretrained`
 into `huggingface/` beside the tokenizer; the Automodel engine (`workers/engine/automodel`) saves HF-named shards in
-`model/`, the loadable model in `model/consolidated/` and the optimizer's DCP in `optim/`. nemo-automodel does not run
-here; verl's manager does, in the VeOmni venv, and `tests/test_veomni.py` checks an `hf_model` save it wrote itself:
-these derived trees cover the cases that need a tree of a dense model cheaply (damage, the watcher, `inspect`)."""
+`model/`, the loadable model in `model/consolidated/` and the optimizer's DCP in `optim/`. Both writers run here, in
+venvs of their own (`tests/test_veomni.py` checks an `hf_model` save verl's manager wrote, `tests/test_automodel.py`
+one nemo-automodel's checkpointer wrote); these derived trees cover cheaply the cases that damage a tree or only look
+at its layout (the watcher, `inspect`)."""
 
 import shutil
 from pathlib import Path
