@@ -212,6 +212,7 @@ def stacked_experts_fixture(tmp_path_factory) -> Fixture:
 VEOMNI_FIXTURE_SPECS = [
     VeomniFixtureSpec("veomni-qwen3moe-ep2-ws2"),
     VeomniFixtureSpec("veomni-qwen3moe-ep2-sp2-ws4", world_size=4, ulysses=2),
+    VeomniFixtureSpec("veomni-qwen3moe-hsdp-ep2-ws4", world_size=4, replicas=2),
 ]
 VEOMNI_HF_MODEL_SPEC = VeomniFixtureSpec("veomni-qwen3moe-hf-model-ws2", expert_parallel=1, save_contents=("hf_model",))
 """verl's FSDP checkpoint manager saving the Hugging Face model alone (`save_contents: [hf_model]`)."""

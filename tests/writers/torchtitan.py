@@ -41,12 +41,20 @@ def torchtitan_fixture_at(spec: TorchTitanFixtureSpec, root: Path) -> TorchTitan
 
 
 def write_torchtitan_fixtures(specs: list[TorchTitanFixtureSpec], root: Path, *, python: Path) -> None:
-    for spec in specs:
-        fixture = torchtitan_fixture_at(spec, root)
-        tiny_model(tiny_config(spec.model, tie=spec.tie), seed=0, dtype=torch.float32).save_pretrained(fixture.reference_dir)
+    """Each spec's reference model and checkpoint, by one launch of ranks for specs of one world size."""
+    fixtures = [torchtitan_fixture_at(spec, root) for spec in specs]
+    for fixture in fixtures:
+        model = tiny_model(tiny_config(fixture.spec.model, tie=fixture.spec.tie), seed=0, dtype=torch.float32)
+        model.save_pretrained(fixture.reference_dir)
         tiny_tokenizer().save_pretrained(fixture.reference_dir)
-        job = {"reference_dir": str(fixture.reference_dir), "folder": str(fixture.checkpoint_dir), "step": spec.step}
-        job_file = Path(root) / f"{spec.name}.json"
-        job_file.write_text(json.dumps(job))
-        run_ranks(spec.world_size, job_file, "tests.writers.torchtitan_worker", import_root=REPO, python=python)
-        (fixture.run_dir / TRACKER_FILE).write_text(str(spec.step))
+    for world_size in sorted({spec.world_size for spec in specs}):
+        jobs = [
+            {"reference_dir": str(fixture.reference_dir), "folder": str(fixture.checkpoint_dir), "step": fixture.spec.step}
+            for fixture in fixtures
+            if fixture.spec.world_size == world_size
+        ]
+        jobs_file = Path(root) / f"jobs_world_size_{world_size}.json"
+        jobs_file.write_text(json.dumps(jobs))
+        run_ranks(world_size, jobs_file, "tests.writers.torchtitan_worker", import_root=REPO, python=python)
+    for fixture in fixtures:
+        (fixture.run_dir / TRACKER_FILE).write_text(str(fixture.spec.step))

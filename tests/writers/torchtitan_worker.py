@@ -143,12 +143,13 @@ def save(model, adapter, folder: str, step: int) -> None:
 
 
 def main() -> None:
-    job = json.loads(Path(sys.argv[1]).read_text())
+    jobs = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
     try:
-        model, adapter = loaded_model(Path(job["reference_dir"]))
-        save(sharded(model), adapter, job["folder"], job["step"])
-        dist.barrier()
+        for job in jobs:
+            model, adapter = loaded_model(Path(job["reference_dir"]))
+            save(sharded(model), adapter, job["folder"], job["step"])
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 

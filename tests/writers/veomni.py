@@ -26,6 +26,8 @@ class VeomniFixtureSpec:
     world_size: int = 2
     expert_parallel: int = 2
     ulysses: int = 1
+    replicas: int = 1
+    """HSDP: data-parallel replicas of the sharded model (verl's `fsdp_size` below the data-parallel size)."""
     save_contents: tuple[str, ...] = ("model", "extra")
     """verl's `checkpoint.save_contents`: `("hf_model",)` saves the Hugging Face model in `huggingface/` alone."""
     step: int = 1

@@ -27,8 +27,9 @@ def eager_ops():
 
 
 def build_model(job: dict):
-    """The reference model on VeOmni's meshes: FSDP2 over `dp_shard` (`dp_shard_sp` with Ulysses), experts split
-    over `expert_parallel` groups, weights loaded from the reference on rank 0 and broadcast."""
+    """The reference model on VeOmni's meshes: FSDP2 over `dp_shard` (`dp_shard_sp` with Ulysses; HSDP with
+    `replicas`), experts split over `expert_parallel` groups, weights loaded from the reference on rank 0 and
+    broadcast."""
     from veomni.arguments import MixedPrecisionConfig
     from veomni.distributed import parallel_state
     from veomni.distributed.torch_parallelize import build_parallelize_model
@@ -37,7 +38,8 @@ def build_model(job: dict):
     data_parallel = dist.get_world_size() // job["ulysses"]
     parallel_state.init_parallel_state(
         dp_size=data_parallel,
-        dp_shard_size=data_parallel,
+        dp_replicate_size=job["replicas"],
+        dp_shard_size=data_parallel // job["replicas"],
         ulysses_size=job["ulysses"],
         extra_parallel_sizes=(job["expert_parallel"],),
         dp_mode="fsdp2",
