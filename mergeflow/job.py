@@ -25,7 +25,6 @@ from mergeflow.output.streaming import CHUNK_BYTES
 from mergeflow.perf.read_ahead import ReadAhead
 from mergeflow.run_layout import protected_paths
 from mergeflow.spec import cache as spec_cache
-from mergeflow.spec.config_files import require_config
 
 if TYPE_CHECKING:
     from mergeflow.formats.base import TensorIndex
@@ -373,7 +372,6 @@ class MergeJob:
 
         with self._state_lock:
             if self._spec is None:
-                require_config(self.config_dir())
                 key = spec_cache.model_spec_key(self.config_dir(), **self.spec_options())
                 if not spec_cache.is_stored(key):
                     self.start_read_ahead(self.layout().data_files)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from mergeflow.spec.config_files import CONFIG_FILE
+from mergeflow.spec.config_files import require_config
 
 CACHE_DIR_VARIABLE = "MERGEFLOW_CACHE_DIR"
 SPEC_SUBDIR = "model-specs"
@@ -34,11 +34,16 @@ def cache_dir() -> Path:
 
 
 def spec_key(config_dir: Path, options: dict[str, Any]) -> str:
-    """A digest of config.json, the directory's Python files (remote code), transformers' version and options."""
+    """A digest of config.json, the directory's Python files (remote code), transformers' version and options.
+
+    Raises:
+        CheckpointError: the directory has no config.json (`require_config`).
+    """
+    config = require_config(config_dir)
     digest = hashlib.sha256()
     digest.update(json.dumps({"format": FORMAT_VERSION, "transformers": _transformers_version(), **options},
                              sort_keys=True).encode())
-    for path in [config_dir / CONFIG_FILE, *sorted(config_dir.glob("*.py"))]:
+    for path in [config, *sorted(config_dir.glob("*.py"))]:
         digest.update(path.name.encode() + b"\0")
         digest.update(path.read_bytes())
     return digest.hexdigest()
