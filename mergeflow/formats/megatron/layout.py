@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError
-from mergeflow.formats.dcp_files import DATA_FILE, METADATA_FILE
+from mergeflow.formats.dcp_files import DATA_FILE, METADATA_FILE, data_files, writer_ranks
 from mergeflow.formats.megatron.contents import (
     CONTENTS_FILE,
     HF_FORMAT,
@@ -51,14 +51,14 @@ class MegatronLayout:
     @property
     def world_size(self) -> int:
         """Ranks that wrote the archive (1 when there is none)."""
-        return _writer_ranks(Path(self.dist_ckpt_dir)) if self.dist_ckpt_dir else 1
+        return writer_ranks(self.dist_ckpt_dir) if self.dist_ckpt_dir else 1
 
     @property
     def data_files(self) -> tuple[str, ...]:
         """The archive's tensor data files (none for an mbridge run, whose weights are copied)."""
         if self.dist_ckpt_dir is None or self.hf_weights:
             return ()
-        return tuple(sorted(str(path) for path in Path(self.dist_ckpt_dir).iterdir() if DATA_FILE.match(path.name)))
+        return data_files(self.dist_ckpt_dir)
 
     @property
     def config_dir(self) -> str:
@@ -173,7 +173,3 @@ def _archive(dist_ckpt: Path) -> Path:
         raise CheckpointError(f"not a torch_dist checkpoint: {dist_ckpt} has no {METADATA_FILE} file")
     return dist_ckpt
 
-
-def _writer_ranks(dist_ckpt_dir: Path) -> int:
-    ranks = {int(match[1]) for path in dist_ckpt_dir.iterdir() if (match := DATA_FILE.match(path.name))}
-    return len(ranks) or 1

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.errors import CheckpointError, quoted
-from mergeflow.formats.dcp_files import DATA_FILE, METADATA_FILE
+from mergeflow.formats.dcp_files import METADATA_FILE, data_files, writer_ranks
 from mergeflow.formats.verl_run import ROLE_SUBDIRS, TORCHTITAN_STEP_DIR, default_config_dir
 
 if TYPE_CHECKING:
@@ -25,12 +25,11 @@ class TorchTitanCheckpoint:
 
     @property
     def world_size(self) -> int:
-        """The ranks that wrote the archive (`__R_K.distcp`)."""
-        return len({match[1] for path in Path(self.archive_dir).iterdir() if (match := DATA_FILE.match(path.name))}) or 1
+        return writer_ranks(self.archive_dir)
 
     @property
     def data_files(self) -> tuple[str, ...]:
-        return tuple(sorted(str(path) for path in Path(self.archive_dir).iterdir() if DATA_FILE.match(path.name)))
+        return data_files(self.archive_dir)
 
     @property
     def config_dir(self) -> str:
