@@ -1,6 +1,6 @@
 """Run one merge and print its measurements as JSON (the bench runs each in a fresh child).
 
-    python -m bench.job mergeflow|mergeflow-no-crc|mergeflow-fp8|cli|verl CHECKPOINT_DIR TARGET_DIR
+    python -m bench.job mergeflow|mergeflow-no-crc|mergeflow-fp8|cli|verl CHECKPOINT_DIR TARGET_DIR [CLI FLAGS...]
 
 `mergeflow` is the engine alone (`MergeJob`, no Prefect); `mergeflow-no-crc` the same with the CRC-32 checks
 turned off (to measure what they cost; the product has no such switch); `mergeflow-fp8` the engine merging to
@@ -52,12 +52,14 @@ def merge_to_fp8(checkpoint_dir: Path, target_dir: Path) -> None:
     merge_with_mergeflow(checkpoint_dir, target_dir, quantize="fp8")
 
 
-def merge_with_cli(checkpoint_dir: Path, target_dir: Path) -> dict:
-    """`mergeflow merge` as users run it; the split of its time from its log: until the flow run begins
-    (imports, and the temporary server's start where there is one), the flow run, and the end."""
+def merge_with_cli(checkpoint_dir: Path, target_dir: Path, *flags: str) -> dict:
+    """`mergeflow merge` as users run it, with `flags` besides the paths; the split of its time from its log:
+    until the flow run begins (imports, and the temporary server's start where there is one), the flow run,
+    and the end."""
     started = time.time()
     done = subprocess.run(
-        [sys.executable, "-m", "mergeflow", "merge", "--no-progress", "--local_dir", str(checkpoint_dir), "--target_dir", str(target_dir)],
+        [sys.executable, "-m", "mergeflow", "merge", "--no-progress", "--local_dir", str(checkpoint_dir),
+         "--target_dir", str(target_dir), *flags],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -70,6 +72,8 @@ def merge_with_cli(checkpoint_dir: Path, target_dir: Path) -> dict:
         "flow_seconds": flow_lines[-1] - flow_lines[0] if flow_lines else None,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
         "server": "running" if os.environ.get("PREFECT_API_URL") else "temporary",
+        "started_at": started,
+        "ended_at": time.time(),
     }
 
 
@@ -162,11 +166,11 @@ class RssSampler:
 
 
 def main() -> None:
-    tool, checkpoint_dir, target_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    tool, checkpoint_dir, target_dir, flags = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
     before = io_counters()
     started = time.perf_counter()
     with RssSampler() as rss:
-        measured = TOOLS[tool](checkpoint_dir, target_dir) or {}
+        measured = TOOLS[tool](checkpoint_dir, target_dir, *flags) or {}
     wall = time.perf_counter() - started
     after = io_counters()
     print(json.dumps({

@@ -118,10 +118,11 @@ def run_job(
     spec_cache: Path,
     environment: dict[str, str],
     fresh_target: bool = True,
+    flags: tuple[str, ...] = (),
 ) -> dict:
     """One merge in a fresh process; `spec_cache` is mergeflow's model-spec cache directory (empty: a config
     it has not seen, the first merge of a training run). Without `fresh_target`, the target keeps what an
-    earlier run wrote there."""
+    earlier run wrote there. `flags` go to `mergeflow merge` (the `cli` tool)."""
     if fresh_target:
         shutil.rmtree(target_dir, ignore_errors=True)
     if cold:
@@ -129,7 +130,7 @@ def run_job(
     else:
         warm_page_cache(shard_files(checkpoint_dir))
     wait_for_quiet_disk(checkpoint_dir)
-    result = subprocess.run([sys.executable, "-m", "bench.job", tool, str(checkpoint_dir), str(target_dir)],
+    result = subprocess.run([sys.executable, "-m", "bench.job", tool, str(checkpoint_dir), str(target_dir), *flags],
                             capture_output=True, text=True, check=False,
                             env={**environment, CACHE_DIR_VARIABLE: str(spec_cache)})
     if result.returncode != 0:

@@ -85,7 +85,12 @@ def build_deployments(options: ServeOptions) -> list[RunnerDeployment]:
     schedule = {"cron": options.schedule} if options.schedule else {"interval": DEFAULT_SWEEP_INTERVAL_SECONDS}
     sweep = sweep_checkpoints.to_deployment(
         name=SWEEP_DEPLOYMENT,
-        parameters={"run_dirs": options.run_dirs, "output_dir": options.output_dir, **merge_parameters},
+        parameters={
+            "run_dirs": options.run_dirs,
+            "output_dir": options.output_dir,
+            "task_runner": options.task_runner,
+            **merge_parameters,
+        },
         concurrency_limit=1,
         description="Merge every complete checkpoint not merged yet.",
         **schedule,

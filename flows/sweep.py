@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 
 from mergeflow.errors import MergeflowError
 from mergeflow.flows.merge import merge_checkpoint
+from mergeflow.flows.task_runners import task_runner_from
 from mergeflow.options import DEFAULT_OPTIONS, HubUpload, MergeOptions
 from mergeflow.run_layout import Checkpoint, complete_checkpoints
 
@@ -28,18 +29,23 @@ def is_merged(checkpoint: Checkpoint, output_dir: str) -> bool:
 
 @flow(name="sweep-checkpoints", flow_run_name="sweep {output_dir}")
 def sweep_checkpoints(
-    run_dirs: list[str], output_dir: str, options: MergeOptions = DEFAULT_OPTIONS, hub: HubUpload | None = None
+    run_dirs: list[str],
+    output_dir: str,
+    options: MergeOptions = DEFAULT_OPTIONS,
+    hub: HubUpload | None = None,
+    task_runner: str = "threads",
 ) -> list[str]:
     """Merge each unmerged checkpoint as a `merge-checkpoint` subflow run, oldest first, in its own backend (and as
-    a value model for a critic); one failure does not stop the others, and fails the sweep at the end. Returns
-    the targets written."""
+    a value model for a critic), its weight files written on `task_runner` (a `flows.task_runners` spec); one
+    failure does not stop the others, and fails the sweep at the end. Returns the targets written."""
     logger = get_run_logger()
     pending = unmerged_checkpoints(run_dirs, output_dir)
     logger.info("%d checkpoint(s) to merge: %s", len(pending), ", ".join(c.label for c in pending) or "none")
     merged, failed = [], []
+    merge = merge_checkpoint.with_options(task_runner=task_runner_from(task_runner))
     for checkpoint in pending:
         target_dir = checkpoint.target_in(output_dir)
-        state = merge_checkpoint(
+        state = merge(
             local_dir=checkpoint.local_dir,
             target_dir=target_dir,
             options=checkpoint.options_from(options),

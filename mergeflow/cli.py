@@ -174,7 +174,8 @@ FLAGS = {
     ),
     "task_runner": _flag(
         "--task-runner", "--task_runner", dest="task_runner", default="threads",
-        help="where output shards are written: threads[:N] (default), dask[:N] (a local cluster), dask://HOST:PORT",
+        help="where weight files are written: threads[:N] (default), dask[:N] (a local cluster), dask://HOST:PORT, "
+        "ray (a local Ray, or RAY_ADDRESS's cluster), ray:HOST:PORT or ray://HOST:PORT (a running Ray cluster)",
     ),
     "test_hf_dir": _flag(
         "--test_hf_dir", "--test-hf-dir", dest="test_hf_dir", default=None, help="also compare the merged model with this reference model"
@@ -219,7 +220,7 @@ COMMAND_FLAGS = {
     "validate": ("test_hf_dir", "check_logits", "atol", "rtol"),
     "inspect": ("backend", "hf_model_config_path", "trust_remote_code"),
     "serve": (*AUTOMATION_FLAGS, "task_runner"),
-    "sweep": AUTOMATION_FLAGS,
+    "sweep": (*AUTOMATION_FLAGS, "task_runner"),
 }  # fmt: skip
 """Which of `FLAGS` each subcommand has (besides its positional arguments and its own flags)."""
 FLAG_OVERRIDES = {
@@ -325,7 +326,10 @@ def run_merge(args: argparse.Namespace) -> int:
     from mergeflow.job import MergeJob
 
     job = MergeJob(args.local_dir, args.target_dir, MergeOptions.from_values(args))
-    with _prefect(allow_temporary=True) as server, write_ahead.writing_ahead(job):
+    from mergeflow.flows.task_runners import writes_in_process
+
+    writing_ahead = write_ahead.writing_ahead(job) if writes_in_process(args.task_runner) else contextlib.nullcontext()
+    with _prefect(allow_temporary=True) as server, writing_ahead:
         # a child reads ahead, builds a new config's spec and writes the weight files while Prefect starts
         from mergeflow.flows.merge import merge_checkpoint
         from mergeflow.flows.task_runners import task_runner_from
@@ -448,6 +452,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             output_dir=str(Path(args.output_dir).absolute()),
             options=MergeOptions.from_values(args),
             hub=HubUpload.from_values(args),
+            task_runner=args.task_runner,
         )
     return _verdict(f"merged {len(merged)} checkpoint(s)" + "".join(f"\n  {target}" for target in merged))
 
@@ -516,7 +521,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     Raises:
         MergeflowError: the first mistake found.
     """
-    from mergeflow.flows.task_runners import parse_task_runner
+    from mergeflow.flows.task_runners import check_task_runner
 
     if args.command == "merge":
         preflight.check_merge(
@@ -545,7 +550,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         if args.hf_upload_path:
             check_repo_id(args.hf_upload_path)
     if getattr(args, "task_runner", None):
-        parse_task_runner(args.task_runner)
+        check_task_runner(args.task_runner)
 
 
 class _EchoFilter(logging.Filter):

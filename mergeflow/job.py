@@ -105,7 +105,8 @@ class MergeSteps:
 class MergeJob:
     """One merge: the steps of the pipeline, with the state they share and the machinery that speeds them up.
 
-    Pickled (for a Dask worker), it carries its inputs only; the worker builds what its step needs.
+    Pickled (for a Dask or Ray worker), it carries its inputs only, by absolute paths; the worker builds what its
+    step needs.
     """
 
     def __init__(
@@ -116,10 +117,10 @@ class MergeJob:
         *,
         chunk_bytes: int = CHUNK_BYTES,
     ):
-        self.local_dir = str(local_dir)
+        self.local_dir = str(Path(local_dir).absolute())
         self.target_dir = str(Path(target_dir).absolute()) if target_dir is not None else None
         """None for a job that writes nothing (`mergeflow test` compares in place)."""
-        self.options = options or MergeOptions()
+        self.options = (options or MergeOptions()).with_absolute_paths()
         self.chunk_bytes = chunk_bytes
         """The largest block of rows read and written at once: it bounds the merge's memory."""
         self._state_lock = threading.RLock()

@@ -2,6 +2,7 @@
 choices and defaults, each defined once (imports no torch)."""
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from mergeflow.errors import OptionError
@@ -41,6 +42,12 @@ class MergeOptions:
     def from_values(cls, values: object) -> "MergeOptions":
         """The options `values` (an argparse namespace, say) has attributes for; a None keeps the default."""
         return cls(**given_fields(cls, values))
+
+    def with_absolute_paths(self) -> "MergeOptions":
+        """These options with the config path made absolute (a worker on another node has another working directory)."""
+        if self.hf_model_config_path is None:
+            return self
+        return dataclasses.replace(self, hf_model_config_path=os.path.abspath(self.hf_model_config_path))
 
 
 DEFAULT_OPTIONS = MergeOptions()

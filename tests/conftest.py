@@ -19,6 +19,9 @@ os.environ.pop("PREFECT_UI_API_URL", None)
 os.environ.pop("PREFECT_PROFILE", None)
 os.environ.pop("PREFECT_PROFILES_PATH", None)
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="mergeflow-prefect-home-")
+os.environ.pop("RAY_ADDRESS", None)  # so is the user's Ray cluster
+os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="mf-ray-")  # short: Ray's socket paths must fit in 107 bytes
+os.environ["RAY_AUTH_MODE"] = "disabled"  # else a local Ray writes a token to ~/.ray (the suite's Ray is on 127.0.0.1)
 
 import pytest
 from filelock import FileLock
@@ -207,6 +210,17 @@ def stacked_experts_fixture(tmp_path_factory) -> Fixture:
         write_fixtures, [STACKED_EXPERTS_SPEC], worker="tests.writers.stacked_experts_worker", import_root=REPO
     )
     return fixture_at(STACKED_EXPERTS_SPEC, written_once(tmp_path_factory, "stacked-experts", write))
+
+
+EIGHT_RANK_SPEC = FixtureSpec("qwen2-ws8", world_size=8)
+"""A checkpoint of one verl node of eight GPUs, for the scale-out tests."""
+
+
+@pytest.fixture(scope="session")
+def eight_rank_fixture(tmp_path_factory) -> Fixture:
+    """The eight-rank checkpoint, written once per run by real torch FSDP2 on gloo."""
+    write = functools.partial(write_fixtures, [EIGHT_RANK_SPEC])
+    return fixture_at(EIGHT_RANK_SPEC, written_once(tmp_path_factory, "eight-ranks", write))
 
 
 VEOMNI_FIXTURE_SPECS = [

@@ -6,7 +6,7 @@ import pytest
 
 from mergeflow.errors import OptionError
 from mergeflow.flows.merge import merge_checkpoint
-from mergeflow.flows.task_runners import task_runner_from
+from mergeflow.flows.task_runners import SPEC_HELP, task_runner_from
 from mergeflow.options import MergeOptions
 
 SHARD_SIZE = "12KB"
@@ -45,8 +45,8 @@ def test_dask_local_cluster_output_equals_the_thread_pool_output(fixtures, threa
 
 
 def test_unknown_task_runner_is_refused_with_the_accepted_forms():
-    with pytest.raises(OptionError, match=re.escape("use threads[:N], dask[:N] or dask://HOST:PORT")):
-        task_runner_from("ray")
+    with pytest.raises(OptionError, match=re.escape(f"task runner 'slurm': use {SPEC_HELP}")):
+        task_runner_from("slurm")
 
 
 @pytest.mark.parametrize("spec", ["threads:0", "threads:x", "dask:-1"])
