@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from bench.chart import draw, median
 from bench.make_checkpoint import write_checkpoint
 from mergeflow.spec.cache import CACHE_DIR_VARIABLE
 
@@ -294,10 +295,6 @@ def run_kinds(result: dict) -> dict[tuple[str, str, str], list[dict]]:
     return kinds
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def table(results: list[dict]) -> str:
@@ -343,6 +340,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--verl-models", nargs="*", default=VERL_MODELS)
     parser.add_argument("--json", type=Path, default=Path("bench/results/bench.json"))
+    parser.add_argument("--chart", type=Path, default=Path("docs/img/wall-time.svg"),
+                        help="where the chart of wall time against model size goes (default docs/img/wall-time.svg)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of runs per model (default {ROUNDS})")
     args = parser.parse_args()
     os.environ["PREFECT_HOME"] = str(args.workdir / "prefect-home")
@@ -355,7 +354,8 @@ def main() -> None:
     print(table(results))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
-    print(f"\nwritten: {args.json}")
+    draw(args.json, args.chart)
+    print(f"\nwritten: {args.json}, {args.chart}")
 
 
 @contextlib.contextmanager

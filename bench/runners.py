@@ -25,12 +25,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.chart import median
 from bench.make_checkpoint import write_checkpoint
 from bench.run import (
     WORLD_SIZE,
     identical_outputs,
     io_floor,
-    median,
     median_floor,
     output_bytes,
     run_job,
