@@ -174,7 +174,7 @@ FLAGS = {
     ),
     "task_runner": _flag(
         "--task-runner", "--task_runner", dest="task_runner", default="threads",
-        help="where weight files are written: threads[:N] (default), dask[:N] (a local cluster), dask://HOST:PORT, "
+        help="where weight files are written (or, for test, compared): threads[:N] (default), dask[:N] (a local cluster), dask://HOST:PORT, "
         "ray (a local Ray, or RAY_ADDRESS's cluster), ray:HOST:PORT or ray://HOST:PORT (a running Ray cluster)",
     ),
     "test_hf_dir": _flag(
@@ -216,7 +216,7 @@ COMMAND_FLAGS = {
         *CHECKPOINT_FLAGS, "target_dir", "dtype", "max_shard_size", "overwrite", "quantize", "drop_mtp", "progress",
         "refresh_cache", "task_runner", "test_hf_dir", *UPLOAD_FLAGS, "revision", "base_model", "check_logits",
     ),
-    "test": (*CHECKPOINT_FLAGS, "test_hf_dir", "dtype", "atol", "rtol"),
+    "test": (*CHECKPOINT_FLAGS, "test_hf_dir", "dtype", "atol", "rtol", "task_runner"),
     "validate": ("test_hf_dir", "check_logits", "atol", "rtol"),
     "inspect": ("backend", "hf_model_config_path", "trust_remote_code"),
     "serve": (*AUTOMATION_FLAGS, "task_runner"),
@@ -355,10 +355,11 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def run_test(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
+        from mergeflow.flows.task_runners import task_runner_from
         from mergeflow.flows.verify import verify_checkpoint
 
         _prefect_ready(server)
-        report = verify_checkpoint(
+        report = verify_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))(
             local_dir=args.local_dir,
             reference=Reference.from_values(args),
             options=MergeOptions.from_values(args),

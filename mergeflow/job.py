@@ -264,8 +264,12 @@ class MergeJob:
             mtp_dropped=self.options.drop_mtp,
         )
 
-    def compare(self, reference: Reference) -> "ValidationReport":
-        """Compare the merged tensors, read straight from the checkpoint, with a reference (nothing is written).
+    def compare(
+        self, reference: Reference, *, weight_file: str | None = None, key_sets_only: bool = False
+    ) -> "ValidationReport":
+        """Compare the merged tensors, read straight from the checkpoint, with a reference (nothing is written): all
+        of them, the values of those `weight_file` would hold, or the key sets alone (`validate.combined` joins the
+        parts).
 
         Raises:
             OptionError: a LoRA-only checkpoint, which holds no base model to compare.
@@ -288,6 +292,7 @@ class MergeJob:
                 left_out=(lambda names: mtp_layer_names(names, self.spec())) if self.options.drop_mtp else None,
                 atol=reference.atol,
                 rtol=reference.rtol,
+                values_of=frozenset() if key_sets_only else plan.shard_to_names[weight_file] if weight_file else None,
             )
             merged.verify()
         return report

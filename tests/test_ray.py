@@ -112,6 +112,20 @@ def test_megatron_ray_merge_equals_the_thread_pool_merge(ray_cluster, megatron_f
     assert merged_files(tmp_path / "ray") == merged_files(tmp_path / "threads")
 
 
+def test_the_test_flow_compares_on_the_ray_cluster(ray_cluster, eight_rank_fixture):
+    from mergeflow.flows.verify import verify_checkpoint
+    from mergeflow.options import Reference
+
+    report = verify_checkpoint.with_options(task_runner=task_runner_from(f"ray:{ray_cluster.address}"))(
+        local_dir=str(eight_rank_fixture.checkpoint_dir),
+        reference=Reference(str(eight_rank_fixture.reference_dir)),
+        options=MergeOptions(max_shard_size=SHARD_SIZE),
+    )
+
+    assert report.passed
+    assert report.tensors_compared > 0
+
+
 def test_writes_run_as_ray_tasks_on_both_nodes_of_ray_address(
     ray_cluster, eight_rank_fixture, eight_rank_threads_output, tmp_path, monkeypatch
 ):

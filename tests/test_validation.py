@@ -270,6 +270,47 @@ class TestCommands:
             capsys.readouterr().err
         )
 
+    def test_test_flow_compares_each_weight_file_in_a_task_run_of_its_own(self, fixtures):
+        from mergeflow.flows.verify import verify_checkpoint
+        from tests.prefect_runs import task_runs_of
+
+        state = verify_checkpoint(
+            local_dir=str(fixtures[CHECKPOINT].checkpoint_dir),
+            reference=Reference(str(fixtures[CHECKPOINT].reference_dir)),
+            options=MergeOptions(max_shard_size="10KB"),
+            return_state=True,
+        )
+        report = state.result()
+        runs = task_runs_of(state.state_details.flow_run_id, count=1)
+        compares = sorted(run.name for run in runs if run.name.startswith("compare "))
+
+        assert report.passed
+        assert report.tensors_compared == len(torch_names(fixtures[CHECKPOINT].reference_dir))
+        assert len(compares) > 2
+        assert compares[0] == "compare key sets"
+
+    def test_a_mismatch_in_one_weight_file_fails_the_split_comparison(self, fixtures, tmp_path):
+        from mergeflow.errors import ValidationError
+        from mergeflow.flows.verify import verify_checkpoint
+
+        def perturb(tensors):
+            tensors["model.norm.weight"][0] += 1.0
+            return tensors
+
+        reference = edited_reference(fixtures, tmp_path, perturb)
+
+        with pytest.raises(ValidationError, match=r"value mismatch for model\.norm\.weight: 1 element"):
+            verify_checkpoint(
+                local_dir=str(fixtures[CHECKPOINT].checkpoint_dir),
+                reference=Reference(str(reference)),
+                options=MergeOptions(max_shard_size="10KB"),
+            )
+
+    def test_test_command_takes_a_task_runner(self, fixtures):
+        argv = ["test", "--local_dir", str(fixtures[CHECKPOINT].checkpoint_dir), "--test_hf_dir", str(fixtures[CHECKPOINT].reference_dir)]
+
+        assert main([*argv, "--task-runner", "threads:4"]) == 0
+
     def test_test_command_casts_to_the_references_dtype(self, fixtures, tmp_path):
         reference = tmp_path / "bf16-reference"
         merge_with_engine(fixtures[CHECKPOINT].checkpoint_dir, reference, dtype="bf16")
@@ -350,3 +391,8 @@ def test_merges_of_one_checkpoint_into_two_targets_keep_an_artifact_each():
     checkpoint = "/runs/Run_A/global_step_120/actor"
 
     assert artifact_key("merge-summary", checkpoint, "/models/a") != artifact_key("merge-summary", checkpoint, "/models/b")
+
+
+def torch_names(model_dir) -> set[str]:
+    """The tensor names of a model folder's safetensors files, tied aliases included."""
+    return {name for path in model_dir.glob("*.safetensors") for name in load_file(path)}

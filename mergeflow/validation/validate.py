@@ -9,7 +9,7 @@ model's dtype, because kernels may differ with memory alignment in the last bits
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -129,11 +129,13 @@ def compare_to_reference(
     atol: float = 0.0,
     rtol: float = 0.0,
     chunk_bytes: int = CHUNK_BYTES,
+    values_of: Collection[str] | None = None,
 ) -> ValidationReport:
     """Compare a tensor source with the reference folder: key sets, shapes, dtypes, then values, streamed. A tensor
     named in `transposed` (a model's `transposed_on_disk`) may be held in either layout by either side; the
     reference's tensors that `left_out` picks from its names (what the merge was asked to leave out) are not looked
-    for."""
+    for. With `values_of`, only those tensors are compared (one weight file's, say: `combined` joins the parts), and
+    the key sets only when it is empty."""
     reference = open_model_folder(Path(reference_dir))
     scales = {name.removesuffix(fp8.SCALE_SUFFIX): name for name in candidate.names() if name.endswith(fp8.SCALE_SUFFIX)}
     compared = [name for name in candidate.names() if name not in scales.values()]
@@ -143,13 +145,13 @@ def compare_to_reference(
     problems = []
     missing = sorted(reference_names - candidate_names)
     extra = sorted(candidate_names - reference_names)
-    if missing:
+    if missing and not values_of:
         problems.append(f"missing key(s) {quoted(missing)}")
-    if extra:
+    if extra and not values_of:
         problems.append(f"extra key(s) {quoted(extra)}")
     differences = []
     casts = set()
-    for name in [n for n in compared if n in reference_names]:
+    for name in [n for n in compared if n in reference_names and (values_of is None or n in values_of)]:
         mine, theirs = candidate.info(name), reference.info(name)
         axes = _swapped_axes(mine.shape, theirs.shape, (transposed or {}).get(name))
         if axes is not None:
@@ -178,10 +180,26 @@ def compare_to_reference(
                     f"value mismatch for {name}: {difference.mismatched} element(s) differ, "
                     f"max |diff| {difference.max_abs_diff:.6g}"
                 )
-    largest = sorted(differences, key=lambda d: (-d.max_abs_diff, -d.mismatched, d.name))[:MAX_REPORTED]
     return ValidationReport(
-        model_dir, str(reference_dir), tuple(problems), len(differences), tuple(largest), reference_casts=tuple(sorted(casts))
-    )
+        model_dir, str(reference_dir), tuple(problems), len(differences), _largest(differences),
+        reference_casts=tuple(sorted(casts)),
+    )  # fmt: skip
+
+
+def combined(parts: list[ValidationReport]) -> ValidationReport:
+    """One report of comparisons made in parts (`compare_to_reference`'s `values_of`): their problems, counts, largest
+    differences and casts."""
+    first = parts[0]
+    return ValidationReport(
+        first.model_dir, first.reference_dir, tuple(problem for part in parts for problem in part.problems),
+        sum(part.tensors_compared for part in parts),
+        _largest([difference for part in parts for difference in part.largest_differences]),
+        reference_casts=tuple(sorted({cast for part in parts for cast in part.reference_casts})),
+    )  # fmt: skip
+
+
+def _largest(differences: list[TensorDifference]) -> tuple[TensorDifference, ...]:
+    return tuple(sorted(differences, key=lambda d: (-d.max_abs_diff, -d.mismatched, d.name))[:MAX_REPORTED])
 
 
 def _compare_quantized(
