@@ -295,8 +295,6 @@ def run_kinds(result: dict) -> dict[tuple[str, str, str], list[dict]]:
     return kinds
 
 
-
-
 def table(results: list[dict]) -> str:
     """One row per step, page cache and config: median wall time (and each run's), ratios of medians, the
     highest peak RSS of its runs, and for the CLI the median split of its time (until the flow run begins:

@@ -9,7 +9,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import exponential_backoff
 
 from mergeflow.flows.prepare import prepare
-from mergeflow.flows.task_runners import write_task_resources
+from mergeflow.flows.task_runners import weight_file_task_resources
 from mergeflow.hub import default_revision, training_step
 from mergeflow.job import MergeJob
 from mergeflow.options import DEFAULT_OPTIONS, HubUpload, MergeOptions, Reference, check_repo_id
@@ -72,7 +72,7 @@ def merge_checkpoint(
             staged = copy_model(job, checkpoint, replace=replace)
         else:
             merged = prepare(job, checkpoint, replace=replace)
-            with write_task_resources(job.chunk_bytes):
+            with weight_file_task_resources(job.chunk_bytes):
                 written = [write_shard.submit(job, merged.plan, name, progress=progress) for name in merged.plan.weight_files]
             staged = save(job, [future.result() for future in written], wait_for=[merged.plan])
         report = validate(job, staged, reference)

@@ -27,6 +27,7 @@ WRITE_TASK_BASE_MEMORY = 768 * 1024**2
 """Ray memory one write holds besides its chunks: a worker process with torch, Prefect and the checkpoint's index."""
 WRITE_TASK_CHUNKS = 3
 """Chunks one write holds at once: the one being written, the one read ahead, and the one being read."""
+RAY_EXTRA_MISSING = "the Ray task runner needs prefect-ray: pip install 'mergeflow[ray]'"
 
 
 def parse_task_runner(spec: str) -> tuple[str, int | str | None]:
@@ -59,7 +60,7 @@ def check_task_runner(spec: str) -> None:
     if kind != "ray":
         return
     if importlib.util.find_spec("prefect_ray") is None:
-        raise OptionError("the Ray task runner needs prefect-ray: pip install 'mergeflow[ray]'")
+        raise OptionError(RAY_EXTRA_MISSING)
     address = address or os.environ.get(RAY_ADDRESS_VARIABLE)
     if not address or address in ("auto", "local"):
         return
@@ -97,10 +98,11 @@ def writes_in_process(spec: str) -> bool:
 
 
 @contextlib.contextmanager
-def write_task_resources(chunk_bytes: int) -> Iterator[None]:
-    """Ray's resource request for each weight-file write submitted in the block (one CPU, and the memory of a
-    worker holding `WRITE_TASK_CHUNKS` chunks), so a node is not handed more writes than its cores and memory
-    take, spread over the nodes (Ray would fill the submitting node first); other task runners ignore it."""
+def weight_file_task_resources(chunk_bytes: int) -> Iterator[None]:
+    """Ray's resource request for each per-weight-file task (a write, or `test`'s comparison) submitted in the block:
+    one CPU, and the memory of a worker holding `WRITE_TASK_CHUNKS` chunks, so a node is not handed more of them
+    than its cores and memory take, spread over the nodes (Ray would fill the submitting node first); other task
+    runners ignore it."""
     if importlib.util.find_spec("prefect_ray") is None:
         yield
         return
@@ -131,7 +133,7 @@ def _ray(address: str | None) -> "TaskRunner":
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as e:
-        raise OptionError("the Ray task runner needs prefect-ray: pip install 'mergeflow[ray]'") from e
+        raise OptionError(RAY_EXTRA_MISSING) from e
     if address is None and not os.environ.get(RAY_ADDRESS_VARIABLE):
         return RayTaskRunner(init_kwargs={"include_dashboard": False})
     return RayTaskRunner(address=address)

@@ -10,7 +10,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from mergeflow.errors import ValidationError
 from mergeflow.flows.merge import SHARD_WORKERS
 from mergeflow.flows.prepare import prepare
-from mergeflow.flows.task_runners import write_task_resources
+from mergeflow.flows.task_runners import weight_file_task_resources
 from mergeflow.job import MergeJob
 from mergeflow.options import DEFAULT_OPTIONS, MergeOptions, Reference
 from mergeflow.run_layout import label_of
@@ -42,7 +42,7 @@ def verify_checkpoint(
     key = fingerprint(job)
     checkpoint = detect_world_size(job, wait_for=[key])
     merged = prepare(job, checkpoint)
-    with write_task_resources(job.chunk_bytes):
+    with weight_file_task_resources(job.chunk_bytes):
         key_sets = compare_checkpoint.submit(job, reference, key_sets_only=True, wait_for=[merged.plan])
         parts = [compare_checkpoint.submit(job, reference, weight_file=name, wait_for=[merged.plan])
                  for name in merged.plan.weight_files]  # fmt: skip

@@ -282,6 +282,11 @@ class MergeJob:
         plan, _ = self.merge_plan()
         if plan is None:
             raise OptionError(f"{self.local_dir} is a LoRA-only checkpoint: it holds no base model to compare")
+        values_of = None  # every tensor's values, and the key sets
+        if key_sets_only:
+            values_of = frozenset()
+        elif weight_file:
+            values_of = frozenset(plan.shard_to_names[weight_file])
         with MergedCheckpoint(plan, self.index()) as merged:
             report = compare_to_reference(
                 merged,
@@ -292,7 +297,7 @@ class MergeJob:
                 left_out=(lambda names: mtp_layer_names(names, self.spec())) if self.options.drop_mtp else None,
                 atol=reference.atol,
                 rtol=reference.rtol,
-                values_of=frozenset() if key_sets_only else plan.shard_to_names[weight_file] if weight_file else None,
+                values_of=values_of,
             )
             merged.verify()
         return report
