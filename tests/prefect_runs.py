@@ -29,12 +29,14 @@ def _all_final(runs: list[TaskRun], count: int) -> bool:
     return len(runs) >= count and all(run.state and run.state.is_final() for run in runs)
 
 
-def task_runs_of(flow_run_id, *, count: int) -> list[TaskRun]:
-    """The flow run's task runs, once the API has all `count` of them in a final state."""
+def task_runs_of(flow_run_id, *, count: int, named: str = "") -> list[TaskRun]:
+    """The flow run's task runs (those whose name contains `named`), once the API has all `count` of them in a final
+    state."""
 
     def read() -> list[TaskRun]:
         with get_client(sync_client=True) as client:
-            return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        return [run for run in runs if named in run.name]
 
     return _poll(read, lambda runs: _all_final(runs, count))
 
