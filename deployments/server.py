@@ -16,6 +16,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from mergeflow.perf import timeline
+
 API_URL_VARIABLE = "PREFECT_API_URL"
 HEALTH_TIMEOUT_SECONDS = 2.0
 STARTUP_TIMEOUT_SECONDS = 180.0
@@ -98,6 +100,7 @@ class TemporaryServer:
             env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
+        timeline.mark("temporary server started")
 
     def wait(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
         """Block until the server answers.
@@ -112,6 +115,7 @@ class TemporaryServer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the temporary Prefect server did not answer within {timeout:.0f} s")
             time.sleep(0.05)
+        timeline.mark("temporary server answered")
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -1,7 +1,5 @@
 """`python -m mergeflow`: the mergeflow command."""
 
-import sys
+from mergeflow.cli import run
 
-from mergeflow.cli import main
-
-sys.exit(main())
+run()

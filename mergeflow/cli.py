@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -34,6 +34,7 @@ from mergeflow.options import (
     Reference,
     check_repo_id,
 )
+from mergeflow.perf import timeline
 from mergeflow.sizes import human_size
 from mergeflow.version import __version__
 
@@ -334,18 +335,26 @@ def run_merge(args: argparse.Namespace) -> int:
         from mergeflow.flows.merge import merge_checkpoint
         from mergeflow.flows.task_runners import task_runner_from
 
+        timeline.mark("flow imported")
         flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
-        _prefect_ready(server)
-        saved = flow(
-            local_dir=args.local_dir,
-            target_dir=args.target_dir,
-            options=job.options,
-            hub=HubUpload.from_values(args),
-            reference=Reference.from_values(args),
-            overwrite=args.overwrite,
-            refresh_cache=args.refresh_cache,
-            progress=args.progress,
-        )
+        with _prefect_ready(server):
+            timeline.mark("server ready")
+            state = flow(
+                local_dir=args.local_dir,
+                target_dir=args.target_dir,
+                options=job.options,
+                hub=HubUpload.from_values(args),
+                reference=Reference.from_values(args),
+                overwrite=args.overwrite,
+                refresh_cache=args.refresh_cache,
+                progress=args.progress,
+                return_state=True,
+            )
+        timeline.mark("flow returned")
+        if timeline.enabled():
+            _mark_task_runs(state.state_details.flow_run_id)
+        saved = state.result()
+    timeline.mark("server stopped")
     files = f"{len(saved.weight_files)} weight file{'s' if len(saved.weight_files) != 1 else ''}"
     facts = f"{saved.num_tensors} tensors, {saved.dtype}, {human_size(saved.total_size)} in {files}; validation {saved.validation}"
     if saved.up_to_date:
@@ -358,13 +367,13 @@ def run_test(args: argparse.Namespace) -> int:
         from mergeflow.flows.task_runners import task_runner_from
         from mergeflow.flows.verify import verify_checkpoint
 
-        _prefect_ready(server)
-        report = verify_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))(
-            local_dir=args.local_dir,
-            reference=Reference.from_values(args),
-            options=MergeOptions.from_values(args),
-            in_reference_dtype=args.dtype is None,
-        )
+        with _prefect_ready(server):
+            report = verify_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))(
+                local_dir=args.local_dir,
+                reference=Reference.from_values(args),
+                options=MergeOptions.from_values(args),
+                in_reference_dtype=args.dtype is None,
+            )
     return _verdict(f"{args.local_dir}: {report.tensors_compared} tensors equal {args.test_hf_dir}")
 
 
@@ -372,8 +381,8 @@ def run_validate(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
         from mergeflow.flows.validate import validate_model
 
-        _prefect_ready(server)
-        report = validate_model(target_dir=args.target_dir, reference=Reference.from_values(args))
+        with _prefect_ready(server):
+            report = validate_model(target_dir=args.target_dir, reference=Reference.from_values(args))
     return _verdict(f"{args.target_dir}: validation {report.verdict()}")
 
 
@@ -395,8 +404,8 @@ def run_demo(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
         from mergeflow.flows.demo import run_demo as demo
 
-        _prefect_ready(server)
-        matches = demo(workdir)
+        with _prefect_ready(server):
+            matches = demo(workdir)
     return _verdict(
         f"demo files are in {workdir.absolute()} (the checkpoint under demo/, the merged model in merged/); "
         f"logits of the merged model equal the original's (bf16): {matches}",
@@ -447,14 +456,14 @@ def run_sweep(args: argparse.Namespace) -> int:
     with _prefect(allow_temporary=True) as server:
         from mergeflow.flows.sweep import sweep_checkpoints
 
-        _prefect_ready(server)
-        merged = sweep_checkpoints(
-            run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
-            output_dir=str(Path(args.output_dir).absolute()),
-            options=MergeOptions.from_values(args),
-            hub=HubUpload.from_values(args),
-            task_runner=args.task_runner,
-        )
+        with _prefect_ready(server):
+            merged = sweep_checkpoints(
+                run_dirs=[str(Path(d).absolute()) for d in args.run_dirs],
+                output_dir=str(Path(args.output_dir).absolute()),
+                options=MergeOptions.from_values(args),
+                hub=HubUpload.from_values(args),
+                task_runner=args.task_runner,
+            )
     return _verdict(f"merged {len(merged)} checkpoint(s)" + "".join(f"\n  {target}" for target in merged))
 
 
@@ -579,18 +588,52 @@ class _EchoFilter(logging.Filter):
         return True
 
 
-def _prefect_ready(server: "TemporaryServer | None") -> None:
-    """Once the flow is imported: `_EchoFilter` on Prefect's console handlers, and the temporary server (if
-    any) waited for."""
-    from prefect.logging.configuration import setup_logging
+@contextlib.contextmanager
+def _prefect_ready(server: "TemporaryServer | None") -> Iterator[None]:
+    """Once the flow is imported, for the flow runs of a command that runs them and ends: `_EchoFilter` on
+    Prefect's console handlers, the temporary server (if any) waited for, and no flow run heartbeats unless
+    their frequency is set. Heartbeats let a server notice a run whose process died; their thread holds up the
+    end of every flow run by up to a second (it sleeps a second at a time) for a command that ends right after."""
+    from prefect.logging import configuration
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
-    setup_logging()
+    if not configuration.PROCESS_LOGGING_CONFIG:  # importing Prefect's flows configured it already
+        configuration.setup_logging()
     echo_filter = _EchoFilter(temporary_server=server is not None)
     for handler in every_log_handler():
         if type(handler).__name__ == "PrefectConsoleHandler":
             handler.addFilter(echo_filter)
     if server is not None:
         server.wait()
+    heartbeats_set = "heartbeat_frequency" in get_current_settings().flows.model_fields_set
+    with contextlib.nullcontext() if heartbeats_set else temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
+def _mark_task_runs(flow_run_id, settle_seconds: float = 1.0, timeout: float = 15.0) -> None:
+    """Put each task run of the flow run on the timeline, with the start and end its server recorded (the server
+    records task runs from events, after the flow returns: read until every one has ended and no more come)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    _send_prefect_queues()
+    deadline, previous, settled_at = time.monotonic() + timeout, None, time.monotonic()
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            ends = sorted(str(task_run.end_time) for task_run in task_runs)
+            if ends != previous:
+                previous, settled_at = ends, time.monotonic()
+            elif time.monotonic() - settled_at >= settle_seconds and all(task_run.end_time for task_run in task_runs):
+                break
+            time.sleep(0.1)
+    for task_run in task_runs:
+        if task_run.start_time is not None:
+            timeline.mark(f"task {task_run.name} started", at=task_run.start_time.timestamp(), task=True)
+        if task_run.end_time is not None:
+            timeline.mark(f"task {task_run.name} ended", at=task_run.end_time.timestamp(), task=True)
 
 
 def _verdict(line: str, code: int = 0) -> int:
@@ -606,6 +649,7 @@ def _report(error: MergeflowError) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    timeline.mark("command started", process="mergeflow command")
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
@@ -627,5 +671,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_VALIDATION_FAILED if isinstance(e, ValidationError) else EXIT_BAD_INPUT
 
 
+def run() -> NoReturn:
+    """The `mergeflow` command: `main`, then exit at once, without tearing the interpreter down (freeing the
+    modules of Prefect, torch and the rest takes half a second and changes nothing on disk)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -3,19 +3,21 @@
 huggingface_hub does the work (repo and branch creation, preupload, LFS, commit) and already retries
 each request a few times; this module picks the revision, words failures, and tells transient ones
 (worth retrying later) from permanent ones (authentication, permissions, a wrong repo id). The token
-is passed through and never appears in a message.
+is passed through and never appears in a message. huggingface_hub is imported by an upload only (a merge
+without one does not pay for it).
 """
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-from huggingface_hub import HfApi
-from huggingface_hub.errors import HfHubHTTPError
+from typing import TYPE_CHECKING
 
 from mergeflow.errors import UploadError
 from mergeflow.formats.verl_run import STEP_DIR
 from mergeflow.options import check_repo_id
+
+if TYPE_CHECKING:
+    from huggingface_hub.errors import HfHubHTTPError
 
 MAIN_BRANCH = "main"
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -26,12 +28,6 @@ PERMANENT_REASONS = {
 }
 TOKEN_HINT = "set HF_TOKEN, log in with `hf auth login`, or name a Prefect Secret block with --hf-token-secret"
 REDACTED = "***"
-
-try:
-    import httpx2 as _httpx
-except ImportError:  # huggingface_hub before 2.x
-    import httpx as _httpx
-NETWORK_ERRORS = (_httpx.TransportError, ConnectionError, TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -75,6 +71,9 @@ def upload_model(
         OptionError: a malformed repo id.
         UploadError: the Hub refused or failed; `transient` says whether a later retry may succeed.
     """
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
     check_repo_id(repo_id)
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
     try:
@@ -86,7 +85,7 @@ def upload_model(
         )
     except HfHubHTTPError as e:
         raise _http_failure(e, api.endpoint, repo_id, revision, token) from None
-    except NETWORK_ERRORS as e:
+    except network_errors() as e:
         message = _redacted(f"{type(e).__name__}: {e}", token)
         raise UploadError(
             f"transient problem: cannot reach {api.endpoint} to upload to {repo_id}@{revision} ({message})",
@@ -95,8 +94,17 @@ def upload_model(
     return UploadResult(repo_id, revision, str(commit.commit_url), getattr(commit, "oid", None))
 
 
+def network_errors() -> tuple[type[BaseException], ...]:
+    """What a request that never reached the Hub raises: the HTTP client's transport errors, and the OS's."""
+    try:
+        import httpx2 as httpx
+    except ImportError:  # huggingface_hub before 2.x
+        import httpx
+    return (httpx.TransportError, ConnectionError, TimeoutError)
+
+
 def _http_failure(
-    error: HfHubHTTPError, endpoint: str, repo_id: str, revision: str, token: str | None
+    error: "HfHubHTTPError", endpoint: str, repo_id: str, revision: str, token: str | None
 ) -> UploadError:
     response = error.response
     status = response.status_code if response is not None else None

@@ -22,6 +22,7 @@ from mergeflow.formats.registry import backend_named, find_checkpoint
 from mergeflow.options import MergeOptions, Reference
 from mergeflow.output.staging import staging_dir_of
 from mergeflow.output.streaming import CHUNK_BYTES
+from mergeflow.perf import timeline
 from mergeflow.perf.read_ahead import ReadAhead
 from mergeflow.run_layout import protected_paths
 from mergeflow.spec import cache as spec_cache
@@ -215,15 +216,16 @@ class MergeJob:
         from mergeflow.output.save import write_shard
 
         plan, _ = self.merge_plan()
-        return write_shard(
-            plan,
-            self.index(),
-            self.staging_dir,
-            filename,
-            chunk_bytes=self.chunk_bytes,
-            on_bytes=on_bytes,
-            written_ahead_for=written_ahead_for,
-        )
+        with timeline.span(f"write {filename}"):
+            return write_shard(
+                plan,
+                self.index(),
+                self.staging_dir,
+                filename,
+                chunk_bytes=self.chunk_bytes,
+                on_bytes=on_bytes,
+                written_ahead_for=written_ahead_for,
+            )
 
     def save(self, shards: "list[ShardWritten]") -> "SavedModel":
         """Write the rest of the model folder (weight index, config, generation config, tokenizer and other
@@ -430,17 +432,24 @@ class MergeJob:
                         drop_mtp=options.drop_mtp,
                     )
                 self._plan = (plan, adapter)
+                self._stop_read_ahead()
             return self._plan
 
     def spec_options(self) -> dict[str, bool]:
         return {"trust_remote_code": self.options.trust_remote_code, "is_value_model": self.options.is_value_model}
 
     def start_read_ahead(self, paths: tuple[str, ...]) -> None:
+        """Read `paths` ahead until this job reads them itself (again after indexing, while a new spec is built)."""
         if self._read_ahead is None:
-            self._read_ahead = ReadAhead(paths).start()
+            self._read_ahead = ReadAhead(paths)
+        if not self._read_ahead.running:
+            self._read_ahead.start()
+            timeline.mark("read-ahead started")
 
     def _stop_read_ahead(self) -> None:
         if self._read_ahead is not None:
+            if self._read_ahead.running:
+                timeline.mark("read-ahead stopped")
             self._read_ahead.stop()
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from mergeflow.job import MergeJob
 from mergeflow.options import MergeOptions
 from mergeflow.output.shard_locks import WRITERS_LOCK, open_to_writers, shard_writers
+from mergeflow.perf import timeline
 from mergeflow.spec.build import SpecBuild, child_environment
 
 
@@ -66,6 +67,7 @@ def write_weights(job: MergeJob, parent: int) -> None:
     `parent` lives (what `writing_ahead`'s child does)."""
     warm_up(job)
     plan, _ = job.merge_plan()
+    timeline.mark("plan made")
     if plan is None:
         return
     with shard_writers(job.staging_dir):
@@ -90,6 +92,7 @@ def _remove_if_unused(staging_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mergeflow.write_ahead ARGUMENTS_JSON`: `writing_ahead`'s child."""
+    timeline.mark("command started", process="write-ahead child")
     arguments = json.loads((argv or sys.argv[1:])[0])
     job = MergeJob(arguments["local_dir"], arguments["target_dir"], MergeOptions(**arguments["options"]))
     try:

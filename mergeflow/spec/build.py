@@ -17,14 +17,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mergeflow.perf import timeline
 from mergeflow.spec import cache
 
 if TYPE_CHECKING:
     from mergeflow.spec.model_spec import ModelSpec
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-CHILD_NICENESS = 19
-"""The child runs on the CPU the merge leaves idle: the spec is needed only to plan, after the imports."""
 
 
 class SpecBuild:
@@ -89,10 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args(argv)
-    os.nice(CHILD_NICENESS)
+    timeline.mark("command started", process="spec-build child")
     from mergeflow.spec.model_spec import store_model_spec
 
     store_model_spec(args.config_dir, trust_remote_code=args.trust_remote_code, is_value_model=args.value_model)
+    timeline.mark("spec stored")
 
 
 if __name__ == "__main__":
