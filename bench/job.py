@@ -24,6 +24,9 @@ import time
 import types
 from pathlib import Path
 
+from bench.timeline import LAUNCHED
+from mergeflow.perf import timeline
+
 VERL_PACKAGE = "verl"
 
 
@@ -57,6 +60,7 @@ def merge_with_cli(checkpoint_dir: Path, target_dir: Path, *flags: str) -> dict:
     until the flow run begins (imports, and the temporary server's start where there is one), the flow run,
     and the end."""
     started = time.time()
+    timeline.mark(LAUNCHED, process="bench")
     done = subprocess.run(
         [sys.executable, "-m", "mergeflow", "merge", "--no-progress", "--local_dir", str(checkpoint_dir),
          "--target_dir", str(target_dir), *flags],

@@ -14,7 +14,11 @@ the spec remembered, as for every later checkpoint of the run. The I/O floor (`c
 a cold page cache, plus writing the output's size once) is sampled after every run. All of it is
 repeated for `--rounds` rounds, the order of the runs rotated by one place each round, so the disk's
 drift over minutes (and a throttled disk's slowness after a burst) reaches every kind of run alike; the
-table reports medians, and every run is in the JSON.
+table reports medians (against the floor: the median of each run's time over the floor sampled right after
+it), and every run is in the JSON. After the rounds, three more CLI runs (running server, no server, a new
+config) run with MERGEFLOW_TIMELINE set, and their timelines are printed (`bench.timeline`): when each
+process started, the imports, the server, each task run's start and end, and the write-ahead child's reads
+and writes.
 verl 0.9.1 must be installed: `pip install --no-deps verl==0.9.1 omegaconf`.
 """
 
@@ -36,6 +40,8 @@ from safetensors import safe_open
 
 from bench.chart import draw, median
 from bench.make_checkpoint import write_checkpoint
+from bench.timeline import read_moments, render
+from mergeflow.perf.timeline import TIMELINE_VARIABLE
 from mergeflow.spec.cache import CACHE_DIR_VARIABLE
 
 MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"]
@@ -175,6 +181,7 @@ STEPS = (
     Step("mergeflow-no-crc", cold=True, config="seen config"),
     Step("cli", cold=True, config="new config"),
     Step("cli", cold=True, config="seen config"),
+    Step("cli", cold=True, config="new config", server=True),
     Step("cli", cold=True, config="seen config", server=True),
     Step("cli", cold=True, config="cache hit", server=True),
     Step("mergeflow-fp8", cold=True, config="seen config"),
@@ -219,6 +226,28 @@ def run_step(
     if not keep_output:
         shutil.rmtree(target, ignore_errors=True)
     return {**run, "step": step.name, "config": step.config}
+
+
+TIMELINE_STEPS = (
+    Step("cli", cold=True, config="seen config", server=True),
+    Step("cli", cold=True, config="seen config"),
+    Step("cli", cold=True, config="new config", server=True),
+)
+"""The runs whose timeline the bench prints (untimed: reading the task runs back from the server adds to them)."""
+
+
+def timeline_of(
+    step: Step, checkpoint_dir: Path, outputs: dict[str, Path], spec_caches: dict[str, Path], server_url: str,
+    path: Path,
+) -> list[dict]:
+    """One more run of `step`, with MERGEFLOW_TIMELINE set: the moments its processes wrote."""
+    path.unlink(missing_ok=True)
+    os.environ[TIMELINE_VARIABLE] = str(path)
+    try:
+        run_step(step, checkpoint_dir, outputs, spec_caches, server_url)
+    finally:
+        del os.environ[TIMELINE_VARIABLE]
+    return read_moments(path)
 
 
 def store_spec(checkpoint_dir: Path, spec_cache: Path) -> None:
@@ -271,8 +300,13 @@ def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int, server_
         print(f"{model}: round {round_number} of {rounds}", flush=True)
         for step in round_steps(round_number, with_verl):
             run = run_step(step, checkpoint_dir, outputs, spec_caches, server_url)
-            runs.append({"model": model, "round": round_number, **run})
-            floors.append(io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin"))
+            floor = io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin")
+            runs.append({"model": model, "round": round_number, **run, "floor_seconds": sum(floor.values())})
+            floors.append(floor)
+    timelines = {
+        step.describe(): timeline_of(step, checkpoint_dir, outputs, spec_caches, server_url, workdir / "timeline.jsonl")
+        for step in TIMELINE_STEPS
+    }
     result = {
         "model": model,
         "shard_bytes": shard_bytes,
@@ -280,6 +314,7 @@ def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int, server_
         **median_floor(floors),
         "floor_samples": floors,
         "runs": runs,
+        "timelines": timelines,
         "identical_to_verl": identical_outputs(outputs["mergeflow"], outputs["verl"]) if with_verl else None,
     }
     for path in outputs.values():
@@ -299,11 +334,10 @@ def table(results: list[dict]) -> str:
     """One row per step, page cache and config: median wall time (and each run's), ratios of medians, the
     highest peak RSS of its runs, and for the CLI the median split of its time (until the flow run begins:
     imports and any server start; the flow run)."""
-    header = ("model", "tool", "page cache", "config", "wall s", "each run s", "vs verl", "vs I/O floor",
+    header = ("model", "tool", "page cache", "config", "wall s", "each run s", "vs verl", "x floor",
               "peak RSS GB", "until flow s", "flow s")
     rows = [header]
     for result in results:
-        floor = result["cat_seconds"] + result["write_seconds"]
         kinds = run_kinds(result)
         verl = {cache: median([run["wall_seconds"] for run in runs])
                 for (step, cache, _), runs in kinds.items() if step == "verl"}
@@ -311,7 +345,7 @@ def table(results: list[dict]) -> str:
             wall = median([run["wall_seconds"] for run in runs])
             ratio = f"{wall / verl[cache]:.2f}x" if cache in verl else "-"
             rows.append((result["model"], step, cache, config, f"{wall:.1f}",
-                         " ".join(f"{run['wall_seconds']:.1f}" for run in runs), ratio, f"{floor / wall:.0%}",
+                         " ".join(f"{run['wall_seconds']:.1f}" for run in runs), ratio, f"{floor_ratio(runs):.2f}x",
                          f"{max(run['peak_rss_bytes'] for run in runs) / GB:.2f}",
                          _median_of(runs, "until_flow_seconds"), _median_of(runs, "flow_seconds")))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
@@ -321,6 +355,17 @@ def table(results: list[dict]) -> str:
               f"(median of {samples(r)}), {r['shard_bytes'] / GB:.2f} GB -> {r['output_bytes'] / GB:.2f} GB, "
               f"identical to verl: {r['identical_to_verl']}" for r in results]
     return "\n".join([*lines, "", "I/O floor (same run; median of its samples, cat + write):", *floors])
+
+
+def floor_ratio(runs: list[dict]) -> float:
+    """The median over the runs of each one's wall time over the I/O floor sampled right after it (the disk's speed
+    drifts over minutes: a run is compared with the floor of its own minute)."""
+    return median([run["wall_seconds"] / run["floor_seconds"] for run in runs])
+
+
+def timelines_text(results: list[dict]) -> str:
+    return "\n\n".join(f"Timeline of one run, {result['model']}: {name}\n{render(moments)}"
+                       for result in results for name, moments in result.get("timelines", {}).items())
 
 
 def _median_of(runs: list[dict], field: str) -> str:
@@ -350,6 +395,8 @@ def main() -> None:
             bench_model(model, args.workdir, model in args.verl_models, args.rounds, server_url) for model in args.models
         ]
     print(table(results))
+    print()
+    print(timelines_text(results))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     draw(args.json, args.chart)

@@ -102,6 +102,9 @@ class TemporaryServer:
         )  # fmt: skip
         timeline.mark("temporary server started")
 
+    def answers(self) -> bool:
+        return healthy(self.api_url)
+
     def wait(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
         """Block until the server answers.
 

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -35,6 +35,7 @@ from mergeflow.options import (
     check_repo_id,
 )
 from mergeflow.perf import timeline
+from mergeflow.perf.fast_exit import exit_now
 from mergeflow.sizes import human_size
 from mergeflow.version import __version__
 
@@ -337,7 +338,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
         timeline.mark("flow imported")
         flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
-        with _prefect_ready(server):
+        with _prefect_ready(server, while_it_starts=_import_merge_steps):
             timeline.mark("server ready")
             state = flow(
                 local_dir=args.local_dir,
@@ -589,10 +590,12 @@ class _EchoFilter(logging.Filter):
 
 
 @contextlib.contextmanager
-def _prefect_ready(server: "TemporaryServer | None") -> Iterator[None]:
+def _prefect_ready(
+    server: "TemporaryServer | None", *, while_it_starts: Callable[[], None] | None = None
+) -> Iterator[None]:
     """Once the flow is imported, for the flow runs of a command that runs them and ends: `_EchoFilter` on
-    Prefect's console handlers, the temporary server (if any) waited for, and no flow run heartbeats unless
-    their frequency is set. Heartbeats let a server notice a run whose process died; their thread holds up the
+    Prefect's console handlers, the temporary server (if any) waited for (calling `while_it_starts` first if it
+    does not answer yet), and no flow run heartbeats unless their frequency is set. Heartbeats let a server notice a run whose process died; their thread holds up the
     end of every flow run by up to a second (it sleeps a second at a time) for a command that ends right after."""
     from prefect.logging import configuration
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
@@ -604,10 +607,23 @@ def _prefect_ready(server: "TemporaryServer | None") -> Iterator[None]:
         if type(handler).__name__ == "PrefectConsoleHandler":
             handler.addFilter(echo_filter)
     if server is not None:
+        if while_it_starts is not None and not server.answers():
+            while_it_starts()
         server.wait()
     heartbeats_set = "heartbeat_frequency" in get_current_settings().flows.model_fields_set
     with contextlib.nullcontext() if heartbeats_set else temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
+
+
+def _import_merge_steps() -> None:
+    """Import what the merge flow's first steps need (torch and the engine), and the encoder Prefect serializes
+    a flow run's parameters with: while a temporary server starts, rather than after."""
+    import fastapi.encoders  # noqa: F401
+
+    import mergeflow.output.save
+    import mergeflow.spec.model_spec  # noqa: F401
+
+    timeline.mark("merge steps imported")
 
 
 def _mark_task_runs(flow_run_id, settle_seconds: float = 1.0, timeout: float = 15.0) -> None:
@@ -672,13 +688,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The `mergeflow` command: `main`, then exit at once, without tearing the interpreter down (freeing the
-    modules of Prefect, torch and the rest takes half a second and changes nothing on disk)."""
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """The `mergeflow` command: `main`, then exit at once (`fast_exit`)."""
+    exit_now(main())
 
 
 if __name__ == "__main__":

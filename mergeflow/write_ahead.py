@@ -17,6 +17,7 @@ from mergeflow.job import MergeJob
 from mergeflow.options import MergeOptions
 from mergeflow.output.shard_locks import WRITERS_LOCK, open_to_writers, shard_writers
 from mergeflow.perf import timeline
+from mergeflow.perf.fast_exit import exit_now
 from mergeflow.spec.build import SpecBuild, child_environment
 
 
@@ -103,4 +104,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

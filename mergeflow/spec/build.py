@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.perf import timeline
+from mergeflow.perf.fast_exit import exit_now
 from mergeflow.spec import cache
 
 if TYPE_CHECKING:
@@ -97,3 +98,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # the build lock is released when this process ends: at once, not after its teardown
