@@ -35,7 +35,7 @@ def points(results: list[dict]) -> dict[str, list[tuple[float, float]]]:
     lines: dict[str, list[tuple[float, float]]] = {name: [] for name in (*SERIES, FLOOR)}
     for result in results:
         size = result["output_bytes"] / BYTES_PER_PARAMETER / 1e9
-        lines[FLOOR].append((size, result["cat_seconds"] + result["write_seconds"]))
+        lines[FLOOR].append((size, result["read_seconds"] + result["write_seconds"]))
         for name, (step, cache, config) in SERIES.items():
             walls = [run["wall_seconds"] for run in result["runs"]
                      if (run["step"], run["cache"], run.get("config", "-")) == (step, cache, config)]  # fmt: skip

@@ -115,7 +115,7 @@ def bench_runners(workdir: Path, model: str, rounds: int, max_shard_size: str, s
 
 
 def table(result: dict, cluster_start_seconds: float) -> str:
-    floor = result["cat_seconds"] + result["write_seconds"]
+    floor = result["read_seconds"] + result["write_seconds"]
     header = ("runner", "wall s", "vs floor", *(phase.replace("_", " ") for phase in PHASES), "peak RSS GB", "identical")
     rows = [header]
     for runner in RUNNERS:
