@@ -40,6 +40,8 @@ from mergeflow.sizes import human_size
 from mergeflow.version import __version__
 
 if TYPE_CHECKING:
+    from uuid import UUID
+
     from mergeflow.deployments.server import TemporaryServer
 
 PREFECT_DEFAULTS = {  # no telemetry; a first start of the ephemeral server migrates its database slowly
@@ -355,7 +357,7 @@ def run_merge(args: argparse.Namespace) -> int:
         if timeline.enabled():
             _mark_task_runs(state.state_details.flow_run_id)
         saved = state.result()
-    timeline.mark("server stopped")
+    timeline.mark("command done")
     files = f"{len(saved.weight_files)} weight file{'s' if len(saved.weight_files) != 1 else ''}"
     facts = f"{saved.num_tensors} tensors, {saved.dtype}, {human_size(saved.total_size)} in {files}; validation {saved.validation}"
     if saved.up_to_date:
@@ -564,11 +566,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_task_runner(args.task_runner)
 
 
+QUIET_PREFIXES = ("Finished in state Failed(", "Still processing items")
+
+
 class _EchoFilter(logging.Filter):
     """Keeps Prefect's console output to one mention of each failure: a mergeflow error (bad input, a failed
     validation) is left to the CLI's one line, another exception is shown once with its traceback, and the
-    "Finished in state Failed(...)" lines that repeat it are dropped. The run's logs in the Prefect API keep
-    every record."""
+    "Finished in state Failed(...)" lines that repeat it are dropped, as are the "Still processing items"
+    lines of Prefect's log and event queues while the command sends what they hold before it ends. The run's
+    logs in the Prefect API keep every record."""
 
     def __init__(self, *, temporary_server: bool):
         super().__init__()
@@ -578,7 +584,7 @@ class _EchoFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.msg if isinstance(record.msg, str) else ""
-        if message.startswith("Finished in state Failed(") or (self._dead_links and message.startswith("View at ")):
+        if message.startswith(QUIET_PREFIXES) or (self._dead_links and message.startswith("View at ")):
             return False
         error = record.exc_info[1] if record.exc_info else None
         if error is None:
@@ -595,8 +601,9 @@ def _prefect_ready(
 ) -> Iterator[None]:
     """Once the flow is imported, for the flow runs of a command that runs them and ends: `_EchoFilter` on
     Prefect's console handlers, the temporary server (if any) waited for (calling `while_it_starts` first if it
-    does not answer yet), and no flow run heartbeats unless their frequency is set. Heartbeats let a server notice a run whose process died; their thread holds up the
-    end of every flow run by up to a second (it sleeps a second at a time) for a command that ends right after."""
+    does not answer yet), and no flow run heartbeats unless their frequency is set. Heartbeats let a server
+    notice a run whose process died; their thread, which sleeps a second at a time, holds up the end of every
+    flow run by up to a second."""
     from prefect.logging import configuration
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
 
@@ -626,7 +633,7 @@ def _import_merge_steps() -> None:
     timeline.mark("merge steps imported")
 
 
-def _mark_task_runs(flow_run_id, settle_seconds: float = 1.0, timeout: float = 15.0) -> None:
+def _mark_task_runs(flow_run_id: "UUID", settle_seconds: float = 1.0, timeout: float = 15.0) -> None:
     """Put each task run of the flow run on the timeline, with the start and end its server recorded (the server
     records task runs from events, after the flow returns: read until every one has ended and no more come)."""
     import time

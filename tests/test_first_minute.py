@@ -2,6 +2,7 @@
 (and at most one hint); errors found later are printed once; a merge ends on its verdict."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from mergeflow.cli import EXIT_BAD_INPUT, build_parser
+from mergeflow.cli import EXIT_BAD_INPUT, _EchoFilter, build_parser
 from tests.cli_runs import run_cli, without_a_server
 
 EARLY_SECONDS = 5.0
@@ -267,3 +268,11 @@ def test_a_merge_whose_output_is_not_a_terminal_draws_no_progress_bars(fixtures,
 
     assert run.returncode == 0, run.stderr
     assert "%|" not in run.stdout + run.stderr
+
+
+def test_the_console_leaves_out_the_progress_lines_of_prefects_queues_sent_at_the_end():
+    record = logging.LogRecord(
+        "prefect.EventsWorker", logging.WARNING, __file__, 1, "Still processing items: 12 items remaining...", None, None
+    )
+
+    assert not _EchoFilter(temporary_server=False).filter(record)
