@@ -30,12 +30,18 @@ def median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def floor_seconds(floor: dict) -> float:
+    """An I/O floor's read plus write seconds (one sample, or a result's median); results stored before the floor
+    was also timed with O_DIRECT call the read `cat_seconds`."""
+    return floor.get("read_seconds", floor.get("cat_seconds")) + floor["write_seconds"]
+
+
 def points(results: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """(billions of parameters, median seconds) per line, for the models that have runs of it."""
     lines: dict[str, list[tuple[float, float]]] = {name: [] for name in (*SERIES, FLOOR)}
     for result in results:
         size = result["output_bytes"] / BYTES_PER_PARAMETER / 1e9
-        lines[FLOOR].append((size, result["read_seconds"] + result["write_seconds"]))
+        lines[FLOOR].append((size, floor_seconds(result)))
         for name, (step, cache, config) in SERIES.items():
             walls = [run["wall_seconds"] for run in result["runs"]
                      if (run["step"], run["cache"], run.get("config", "-")) == (step, cache, config)]  # fmt: skip

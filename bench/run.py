@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from bench.chart import draw, median
+from bench.chart import draw, floor_seconds, median
 from bench.make_checkpoint import write_checkpoint
 from bench.timeline import read_moments, render
 from mergeflow.perf.timeline import TIMELINE_VARIABLE
@@ -199,7 +199,7 @@ def run_job(
 def median_floor(floors: list[dict[str, float]]) -> dict[str, float]:
     """The middle of the floors sampled after each tool's runs (the disk's speed drifts over minutes; one
     sample can catch it at its fastest or slowest)."""
-    return sorted(floors, key=lambda floor: floor["read_seconds"] + floor["write_seconds"])[len(floors) // 2]
+    return sorted(floors, key=floor_seconds)[len(floors) // 2]
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,7 @@ def bench_model(model: str, workdir: Path, with_verl: bool, rounds: int, server_
         for step in round_steps(round_number, with_verl):
             run = run_step(step, checkpoint_dir, outputs, spec_caches, server_url)
             floor = io_floor(checkpoint_dir, output_bytes(outputs["mergeflow"]), workdir / "outputs" / "floor.bin")
-            runs.append({"model": model, "round": round_number, **run, "floor_seconds": floor["read_seconds"] + floor["write_seconds"]})
+            runs.append({"model": model, "round": round_number, **run, "floor_seconds": floor_seconds(floor)})
             floors.append(floor)
     timelines = {
         step.describe(): timeline_of(step, checkpoint_dir, outputs, spec_caches, server_url, workdir / "timeline.jsonl")
@@ -403,7 +403,7 @@ def table(results: list[dict]) -> str:
     floors = [f"{r['model']}: read {r['read_seconds']:.1f}s + write {r['write_seconds']:.1f}s "
               f"(median of {samples(r)}), {r['shard_bytes'] / GB:.2f} GB -> {r['output_bytes'] / GB:.2f} GB, "
               f"identical to verl: {r['identical_to_verl']}" for r in results]
-    return "\n".join([*lines, "", "I/O floor (same run; median of its samples, cat + write):", *floors])
+    return "\n".join([*lines, "", "I/O floor (same run; median of its samples, read + write, each the faster of page cache and O_DIRECT):", *floors])
 
 
 def floor_ratio(runs: list[dict]) -> float:

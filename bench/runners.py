@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.chart import median
+from bench.chart import floor_seconds, median
 from bench.make_checkpoint import write_checkpoint
 from bench.run import (
     WORLD_SIZE,
@@ -115,7 +115,7 @@ def bench_runners(workdir: Path, model: str, rounds: int, max_shard_size: str, s
 
 
 def table(result: dict, cluster_start_seconds: float) -> str:
-    floor = result["read_seconds"] + result["write_seconds"]
+    floor = floor_seconds(result)
     header = ("runner", "wall s", "vs floor", *(phase.replace("_", " ") for phase in PHASES), "peak RSS GB", "identical")
     rows = [header]
     for runner in RUNNERS:

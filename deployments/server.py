@@ -112,7 +112,7 @@ class TemporaryServer:
             RuntimeError: it exited or did not answer within `timeout` seconds.
         """
         deadline = time.monotonic() + timeout
-        while not healthy(self.api_url):
+        while not self.answers():
             if self.process.poll() is not None:
                 raise RuntimeError(f"the temporary Prefect server exited with code {self.process.returncode}")
             if time.monotonic() > deadline:
