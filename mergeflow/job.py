@@ -341,8 +341,7 @@ class MergeJob:
         if not report.passed:
             shutil.rmtree(self.staging_dir, ignore_errors=True)
             raise ValidationError(report.failure_message())
-        digests = {file.name: file.sha256 for file in saved.files}
-        described = dataclasses.replace(saved, files=describe_files(self.staging_dir, digests), validation=report.verdict())
+        described = dataclasses.replace(saved, files=describe_files(self.staging_dir), validation=report.verdict())
         publish(self.staging_dir, Path(self.target_dir), overwrite=replace, protected=self.protected())
         return relocated(described, Path(self.target_dir))
 

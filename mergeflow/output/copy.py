@@ -31,7 +31,7 @@ def copy_model_folder(source_dir: Path, output_dir: Path, *, config_dir: Path | 
     dominant = dominant_floating_dtype(weights)
     return SavedModel(
         folder=str(output_dir),
-        files=describe_files(Path(output_dir), {}),
+        files=describe_files(Path(output_dir)),
         weight_files=tuple(weights.files),
         total_size=sum(nbytes(weights.info(name)) for name in weights.names()),
         num_tensors=len(weights.names()),

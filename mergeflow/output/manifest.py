@@ -1,11 +1,8 @@
-"""What a merge wrote, as a small manifest (paths, sizes, hashes, mtimes), and whether a folder still holds it."""
+"""What a merge wrote, as a small manifest (paths, sizes, mtimes), and whether a folder still holds it."""
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-
-HASH_BLOCK_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -14,7 +11,6 @@ class ShardWritten:
 
     name: str
     size: int
-    sha256: str
     resumed: bool = False
     """Found finished in the output folder (written ahead before the flow reached it, or by an interrupted run)."""
     written_ahead_for: int | None = None
@@ -41,7 +37,6 @@ class OutputFile:
     name: str
     """The path relative to the model folder."""
     size: int
-    sha256: str
     mtime_ns: int
 
 
@@ -83,20 +78,9 @@ def file_listing(directory: Path) -> list[tuple[str, int, int]]:
     return sorted(listing)
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while block := file.read(HASH_BLOCK_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def describe_files(folder: Path, known_sha256: dict[str, str]) -> tuple[OutputFile, ...]:
-    """Every file under `folder`, hashing those whose digest `known_sha256` (by relative path) does not give."""
-    return tuple(
-        OutputFile(name, size, known_sha256.get(name) or sha256_of(Path(folder) / name), mtime_ns)
-        for name, size, mtime_ns in file_listing(Path(folder))
-    )
+def describe_files(folder: Path) -> tuple[OutputFile, ...]:
+    """Every file under `folder`."""
+    return tuple(OutputFile(name, size, mtime_ns) for name, size, mtime_ns in file_listing(Path(folder)))
 
 
 def output_intact(saved: SavedModel) -> bool:

@@ -74,12 +74,12 @@ def describe_output(
     *,
     seconds: float,
 ) -> SavedModel:
-    """The manifest of a finished model folder; the shards' digests come from their writers."""
+    """The manifest of a finished model folder."""
     clear_shard_markers(folder)
     weights = plan if plan is not None else adapter.weights
     return SavedModel(
         folder=str(folder),
-        files=describe_files(folder, {shard.name: shard.sha256 for shard in written}),
+        files=describe_files(folder),
         fp8_errors={name: error for shard in written for name, error in shard.fp8_errors.items()},
         fp8_outside=tuple(name for shard in written for name in shard.fp8_outside),
         weight_files=tuple(plan.shard_to_names) if plan is not None else (),
@@ -139,7 +139,7 @@ def write_shard(
     write-ahead child writes it, recorded with it).
 
     The file is written as `<name>.partial` and renamed when complete, then a `.<name>.done` marker
-    records its size, SHA-256 and a digest of its plan. A shard whose marker and file agree with the
+    records its size and a digest of its plan. A shard whose marker and file agree with the
     plan is kept as it is, so a merge killed part way only writes the shards it had not finished. Writers
     of the same file (a write started before the flow, another process) take turns on a file lock, and the
     later one keeps what the first wrote. Chunks are read on a background thread while the previous ones
@@ -166,7 +166,6 @@ def write_shard(
         written = ShardWritten(
             filename,
             expected_size,
-            writer.sha256,
             written_ahead_for=written_ahead_for,
             fp8_errors=reader.fp8_errors,
             fp8_outside=tuple(reader.fp8_outside),
@@ -210,7 +209,6 @@ def _finished_shard(final: Path, marker: Path, expected_size: int, planned: str)
     return ShardWritten(
         final.name,
         expected_size,
-        record["sha256"],
         resumed=True,
         written_ahead_for=record.get("written_ahead_for"),
         fp8_errors=record.get("fp8_errors", {}),

@@ -3,13 +3,11 @@ tensor has to be resident whole; bytes go out with O_DIRECT where the filesystem
 
 import errno
 import fcntl
-import hashlib
 import json
 import mmap
 import os
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +56,7 @@ class AlignedFile:
 
     Full buffers go out as aligned direct writes; the last, partial block is padded and the file is
     truncated to its exact size. Where O_DIRECT is refused (tmpfs, some network filesystems) the
-    same writes are buffered. Each buffer is hashed (SHA-256) on a second thread while it is being
-    written, so the digest costs no time while the disk is the bottleneck.
+    same writes are buffered.
     """
 
     def __init__(self, path: Path, buffer_bytes: int = WRITE_BUFFER_BYTES):
@@ -75,13 +72,6 @@ class AlignedFile:
         self._view = memoryview(self._buffer)
         self._filled = 0
         self.size = 0
-        self._digest = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergeflow-sha256")
-
-    @property
-    def sha256(self) -> str:
-        """Hex SHA-256 of every byte written so far."""
-        return self._digest.hexdigest()
 
     def write(self, data: memoryview) -> None:
         data = data.cast("B")
@@ -95,23 +85,16 @@ class AlignedFile:
                 self._flush(self._filled)
         self.size += len(data)
 
-    def _flush(self, count: int, data_bytes: int | None = None) -> None:
-        """Write the buffer's first `count` bytes, hashing its first `data_bytes` (all of them but the
-        padding) meanwhile; the buffer is free again once both are done."""
-        data = self._view[: count if data_bytes is None else data_bytes]
-        hashing = self._hasher.submit(self._digest.update, data)
-        try:
-            written = 0
-            while written < count:
-                try:
-                    written += os.write(self._fd, self._view[written:count])
-                except OSError as e:
-                    if e.errno != errno.EINVAL or not self.direct:
-                        raise
-                    self._stop_direct_io()
-        finally:
-            hashing.result()
-            data.release()
+    def _flush(self, count: int) -> None:
+        """Write the buffer's first `count` bytes; the buffer is free again."""
+        written = 0
+        while written < count:
+            try:
+                written += os.write(self._fd, self._view[written:count])
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._stop_direct_io()
         self._filled = 0
 
     def _stop_direct_io(self) -> None:
@@ -124,14 +107,13 @@ class AlignedFile:
             tail = self._filled
             padded = -(-tail // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if self.direct else tail
             self._view[tail:padded] = bytes(padded - tail)
-            self._flush(padded, data_bytes=tail)
+            self._flush(padded)
             os.ftruncate(self._fd, self.size)
             os.fsync(self._fd)  # on the device before it is renamed into place and vouched for by its marker
         finally:
             self.abort()
 
     def abort(self) -> None:
-        self._hasher.shutdown()
         os.close(self._fd)
         self._view.release()
         self._buffer.close()
@@ -147,11 +129,6 @@ class SafetensorsWriter:
         self._written = 0
         self._file = AlignedFile(self.path)
         self._file.write(memoryview(build_header(self._entries)))
-
-    @property
-    def sha256(self) -> str:
-        """Hex SHA-256 of the file's bytes written so far (of the whole file once closed)."""
-        return self._file.sha256
 
     def write(self, name: str, chunk: torch.Tensor) -> None:
         """Append the next bytes of tensor `name`; chunks must come in order and add up to the tensor."""
