@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 
-from mergeflow.formats.record_check import RecordCheck, RecordCorrupt, StoredRecord, crc32_combine
+from mergeflow.formats.record_check import RecordCheck, RecordCorrupt, StoredRecord
 
 DATA = random.Random(0).randbytes(100_000)
 OFFSET = 123
@@ -14,11 +14,6 @@ OFFSET = 123
 
 def read(offset: int, length: int, data: bytes = DATA) -> bytes:
     return data[offset - OFFSET : offset - OFFSET + length]
-
-
-@pytest.mark.parametrize(("first", "second"), [(b"", b""), (b"a", b""), (b"", b"b"), (DATA[:777], DATA[777:5000])])
-def test_combined_crc_equals_the_crc_of_the_concatenation(first, second):
-    assert crc32_combine(zlib.crc32(first), zlib.crc32(second), len(second)) == zlib.crc32(first + second)
 
 
 @pytest.mark.parametrize(

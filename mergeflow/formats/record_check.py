@@ -3,59 +3,16 @@
 `torch.save` writes every storage as an uncompressed zip record, and the zip directory holds each
 record's CRC-32; `torch.load` never checks it. A merge reads a record's bytes in pieces (a block of rows
 at a time, from several threads, an expert's rows out of order), so each piece's CRC is taken as it is
-read and the pieces are combined (`crc32_combine`, zlib's algorithm; Python's zlib does not expose it).
-Bytes of a record that no piece covered (storage padding) are read from the file when the check ends.
+read and the pieces are combined (`crc32_combine`; ISA-L's CRC-32, `isal`, runs at about three times zlib's
+speed here). Bytes of a record that no piece covered (storage padding) are read from the file when the check
+ends.
 """
 
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-_REFLECTED_POLYNOMIAL = 0xEDB88320
-_X0 = 1 << 31
-"""x^0 in zlib's reflected representation of polynomials over GF(2)."""
-
-
-def _multiply(a: int, b: int) -> int:
-    """a(x)·b(x) modulo the CRC-32 polynomial, both reflected."""
-    product = 0
-    bit = _X0
-    while a:
-        if a & bit:
-            product ^= b
-            a ^= bit
-        bit >>= 1
-        b = (b >> 1) ^ _REFLECTED_POLYNOMIAL if b & 1 else b >> 1
-    return product
-
-
-def _powers_of_x() -> list[int]:
-    """x^(2^k) modulo the polynomial, k = 0..31."""
-    powers, power = [], _X0 >> 1
-    for _ in range(32):
-        powers.append(power)
-        power = _multiply(power, power)
-    return powers
-
-
-_X_TO_2_TO_THE = _powers_of_x()
-
-
-def _x_to_8n(length: int) -> int:
-    """x^(8·length): the operator that shifts a CRC past `length` zero bytes."""
-    operator, k = _X0, 3
-    while length:
-        if length & 1:
-            operator = _multiply(_X_TO_2_TO_THE[k % 32], operator)
-        length >>= 1
-        k += 1
-    return operator
-
-
-def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
-    """The CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
-    return _multiply(_x_to_8n(length2), crc1) ^ crc2
+from isal.isal_zlib import crc32, crc32_combine
 
 
 @dataclass(frozen=True)
@@ -99,9 +56,9 @@ class RecordCheck:
         with self._lock:
             covered, crc = self._prefix
             if start == covered:
-                self._prefix = (covered + length, zlib.crc32(data, crc))
+                self._prefix = (covered + length, crc32(data, crc))
                 return
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         with self._lock:
             self._pieces[start] = (length, crc)
 
@@ -118,14 +75,14 @@ class RecordCheck:
             if start + length <= covered:
                 continue
             if start < covered:  # overlapping pieces: take the rest of this one from the file
-                crc = zlib.crc32(read(self.record.offset + covered, start + length - covered), crc)
+                crc = crc32(read(self.record.offset + covered, start + length - covered), crc)
             else:
                 if start > covered:
-                    crc = zlib.crc32(read(self.record.offset + covered, start - covered), crc)
+                    crc = crc32(read(self.record.offset + covered, start - covered), crc)
                 crc = crc32_combine(crc, piece_crc, length)
             covered = start + length
         if covered < self.record.length:
-            crc = zlib.crc32(read(self.record.offset + covered, self.record.length - covered), crc)
+            crc = crc32(read(self.record.offset + covered, self.record.length - covered), crc)
         if crc != self.record.crc32:
             raise RecordCorrupt(
                 f"record {self.record.key} ({self.record.length} bytes) has CRC-32 {crc:08x}, "
