@@ -332,8 +332,11 @@ def run_merge(args: argparse.Namespace) -> int:
     job = MergeJob(args.local_dir, args.target_dir, MergeOptions.from_values(args))
     from mergeflow.flows.task_runners import writes_in_process
 
-    writing_ahead = write_ahead.writing_ahead(job) if writes_in_process(args.task_runner) else contextlib.nullcontext()
+    in_process = writes_in_process(args.task_runner)
+    writing_ahead = write_ahead.writing_ahead(job) if in_process else contextlib.nullcontext()
     with _prefect(allow_temporary=True) as server, writing_ahead:
+        if in_process:
+            write_ahead.yield_to_spec_build(job)
         # a child reads ahead, builds a new config's spec and writes the weight files while Prefect starts
         from mergeflow.flows.merge import merge_checkpoint
         from mergeflow.flows.task_runners import task_runner_from

@@ -73,3 +73,29 @@ def test_the_spec_build_starts_without_importing_torch():
     check = "import sys, mergeflow.spec.build; sys.exit('torch' in sys.modules)"
 
     assert subprocess.run([sys.executable, "-c", check], check=False).returncode == 0
+
+
+def niceness_after_yielding(checkpoint_dir, target_dir) -> int:
+    """The CPU niceness of a fresh process (this one's environment) after `yield_to_spec_build`, less its own
+    niceness before."""
+    script = (
+        "import os, sys\n"
+        "from mergeflow.job import MergeJob\n"
+        "from mergeflow.write_ahead import yield_to_spec_build\n"
+        "before = os.nice(0)\n"
+        "yield_to_spec_build(MergeJob(sys.argv[1], sys.argv[2]))\n"
+        "print(os.nice(0) - before)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(checkpoint_dir), str(target_dir)],
+                          capture_output=True, text=True, check=True, timeout=CHILD_SECONDS)  # fmt: skip
+    return int(done.stdout)
+
+
+def test_the_command_yields_the_cpu_to_a_new_configs_spec_build(fixtures, empty_cache, tmp_path):
+    assert niceness_after_yielding(fixtures["qwen2-ws2"].checkpoint_dir, tmp_path / "out") > 0
+
+
+def test_the_command_keeps_its_priority_for_a_config_already_seen(fixtures, empty_cache, tmp_path):
+    load_model_spec(default_config_dir(fixtures["qwen2-ws2"].checkpoint_dir))
+
+    assert niceness_after_yielding(fixtures["qwen2-ws2"].checkpoint_dir, tmp_path / "out") == 0
