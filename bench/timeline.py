@@ -4,7 +4,7 @@
 
 Each line: seconds since the command was launched, the process (the command, its write-ahead and spec-build
 children; task runs as the Prefect server recorded them), what happened, and for a process's own moments
-the storage bytes it had read and written so far.
+the CPU seconds it had used (all its threads) and the storage bytes it had read and written so far.
 """
 
 import json
@@ -30,12 +30,13 @@ def render(moments: list[dict]) -> str:
     launched = min((moment["at"] for moment in moments if moment["event"] == LAUNCHED), default=None)
     origin = launched if launched is not None else min(moment["at"] for moment in moments)
     names = process_names(moments)
-    lines = [f"{'s':>7}  {'process':<18} {'read GB':>7} {'wrote GB':>8}  event"]
+    lines = [f"{'s':>7}  {'process':<18} {'cpu s':>6} {'read GB':>7} {'wrote GB':>8}  event"]
     for moment in sorted(moments, key=lambda moment: moment["at"]):
         process = "prefect task run" if moment.get("task") else names.get(moment["pid"], str(moment["pid"]))
+        cpu = f"{moment['cpu_seconds']:6.2f}" if "cpu_seconds" in moment else " " * 6
         read = f"{moment['read_bytes'] / GB:7.2f}" if "read_bytes" in moment else " " * 7
         wrote = f"{moment['write_bytes'] / GB:8.2f}" if "write_bytes" in moment else " " * 8
-        lines.append(f"{moment['at'] - origin:7.2f}  {process:<18} {read} {wrote}  {moment['event']}")
+        lines.append(f"{moment['at'] - origin:7.2f}  {process:<18} {cpu} {read} {wrote}  {moment['event']}")
     return "\n".join(lines)
 
 

@@ -396,7 +396,6 @@ class MergeJob:
         with self._state_lock:
             if self._index is None:
                 spec = self.spec() if backend_named(self.options.backend).needs_spec else None
-                self._stop_read_ahead()
                 self._index = self.layout().index(spec)
             return self._index
 
@@ -438,7 +437,8 @@ class MergeJob:
         return {"trust_remote_code": self.options.trust_remote_code, "is_value_model": self.options.is_value_model}
 
     def start_read_ahead(self, paths: tuple[str, ...]) -> None:
-        """Read `paths` ahead until this job reads them itself (again after indexing, while a new spec is built)."""
+        """Read `paths` ahead until this job's plan is made and it reads the weights itself (indexing reads only the
+        rank files' pickles, a few small reads); again if it had ended while a new spec is built."""
         if self._read_ahead is None:
             self._read_ahead = ReadAhead(paths)
         if not self._read_ahead.running:

@@ -1,6 +1,6 @@
 """Where a merge's time goes: when MERGEFLOW_TIMELINE names a file, every process of a merge (the command, its
 write-ahead and spec-build children) appends one JSON line per moment there: when it happened, which process,
-what, and the process's bytes read from and written to storage so far. Unset, `mark` does nothing. The bench
+what, and the process's CPU seconds and bytes read from and written to storage so far. Unset, `mark` does nothing. The bench
 turns the file into the timeline it prints (`bench.timeline`)."""
 
 import contextlib
@@ -18,12 +18,12 @@ def enabled() -> bool:
 
 
 def mark(event: str, *, at: float | None = None, **facts: object) -> None:
-    """Append `event` with `facts` to the timeline file, if there is one: now, with this process's I/O so far, or
-    at `at` (epoch seconds) for a moment another process recorded."""
+    """Append `event` with `facts` to the timeline file, if there is one: now, with this process's CPU time and I/O
+    so far, or at `at` (epoch seconds) for a moment another process recorded."""
     path = os.environ.get(TIMELINE_VARIABLE)
     if not path:
         return
-    moment = {"at": time.time(), **_io_bytes()} if at is None else {"at": at}
+    moment = {"at": time.time(), "cpu_seconds": time.process_time(), **_io_bytes()} if at is None else {"at": at}
     line = {**moment, "pid": os.getpid(), "event": event, **facts}
     descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
