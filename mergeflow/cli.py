@@ -335,7 +335,7 @@ def run_merge(args: argparse.Namespace) -> int:
     in_process = writes_in_process(args.task_runner)
     writing_ahead = write_ahead.writing_ahead(job) if in_process else contextlib.nullcontext()
     with _prefect(allow_temporary=True) as server, writing_ahead:
-        if in_process:
+        if in_process and args.own_process:  # not a caller's process (main called from Python, the tests)
             write_ahead.yield_to_spec_build(job)
         # a child reads ahead, builds a new config's spec and writes the weight files while Prefect starts
         from mergeflow.flows.merge import merge_checkpoint
@@ -674,11 +674,14 @@ def _report(error: MergeflowError) -> None:
         print(f"mergeflow: hint: {error.hint}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """Run one command; `own_process`: the command has this process to itself and ends with it (the console script),
+    so it may lower the process's CPU priority for good."""
     timeline.mark("command started", process="mergeflow command")
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
+    args.own_process = own_process
     try:
         check_arguments(args)
     except MergeflowError as e:
@@ -699,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> NoReturn:
     """The `mergeflow` command: `main`, then exit at once (`fast_exit`)."""
-    exit_now(main())
+    exit_now(main(own_process=True))
 
 
 if __name__ == "__main__":

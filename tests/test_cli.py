@@ -1,11 +1,13 @@
 """The `mergeflow` command accepts verl's flags and reports on checkpoints."""
 
 import json
+import os
 
 import pytest
 
 from mergeflow.cli import build_parser, main
 from mergeflow.options import MergeOptions
+from mergeflow.spec import cache as spec_cache
 from tests.merging import load_weights
 
 
@@ -81,6 +83,17 @@ def test_merge_command_writes_the_model(fixtures, target_dir, capsys):
     assert code == 0
     assert "merged" in capsys.readouterr().out
     assert load_weights(target_dir)["model.norm.weight"].dtype.is_floating_point
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_merge_called_from_python_keeps_the_callers_cpu_priority(fixtures, target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(spec_cache.CACHE_DIR_VARIABLE, str(tmp_path / "empty-spec-cache"))  # a new config's spec builds
+    before = os.nice(0)
+
+    code = main(["merge", "--local_dir", str(fixtures["qwen2-ws2"].checkpoint_dir), "--target_dir", str(target_dir), "--no-progress"])
+
+    assert code == 0
+    assert os.nice(0) == before
 
 
 @pytest.mark.usefixtures("prefect_server")
