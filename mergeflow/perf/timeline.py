@@ -1,7 +1,7 @@
 """Where a merge's time goes: when MERGEFLOW_TIMELINE names a file, every process of a merge (the command, its
 write-ahead and spec-build children) appends one JSON line per moment there: when it happened, which process,
-what, and the process's CPU seconds and bytes read from and written to storage so far. Unset, `mark` does nothing. The bench
-turns the file into the timeline it prints (`bench.timeline`)."""
+what, and the process's CPU seconds and bytes read from and written to storage so far. Unset, `mark` does
+nothing. The bench turns the file into the timeline it prints (`bench.timeline`)."""
 
 import contextlib
 import json
