@@ -384,8 +384,7 @@ class MergeJob:
 
         with self._state_lock:
             if self._spec is None:
-                key = spec_cache.model_spec_key(self.config_dir(), **self.spec_options())
-                if not spec_cache.is_stored(key):
+                if not self.spec_stored():
                     self.start_read_ahead(self.layout().data_files)
                 self._spec = load_model_spec(
                     self.config_dir(), tie_word_embedding=self.options.tie_word_embedding, **self.spec_options()
@@ -432,6 +431,10 @@ class MergeJob:
                 self._plan = (plan, adapter)
                 self._stop_read_ahead()
             return self._plan
+
+    def spec_stored(self) -> bool:
+        """Whether this job's model spec is in the spec cache (looked up, nothing built)."""
+        return spec_cache.is_stored(spec_cache.model_spec_key(self.config_dir(), **self.spec_options()))
 
     def spec_options(self) -> dict[str, bool]:
         return {"trust_remote_code": self.options.trust_remote_code, "is_value_model": self.options.is_value_model}

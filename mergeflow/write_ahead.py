@@ -18,7 +18,6 @@ from mergeflow.options import MergeOptions
 from mergeflow.output.shard_locks import WRITERS_LOCK, open_to_writers, shard_writers
 from mergeflow.perf import timeline
 from mergeflow.perf.fast_exit import exit_now
-from mergeflow.spec import cache as spec_cache
 from mergeflow.spec.build import SpecBuild, child_environment
 
 SPEC_BUILD_NICE = 10
@@ -72,8 +71,7 @@ def yield_to_spec_build(job: MergeJob) -> None:
     spec: every write waits for that build, and this process (importing Prefect, starting the flow) would share the
     cores with it. Measured at 1.5B: about 1 s of 11 (docs/performance.md)."""
     with contextlib.suppress(Exception):  # problems are the steps' to report
-        key = spec_cache.model_spec_key(job.config_dir(), **job.spec_options())
-        if not target_written(job) and not spec_cache.is_stored(key):
+        if not target_written(job) and not job.spec_stored():
             os.nice(SPEC_BUILD_NICE)
 
 
