@@ -128,6 +128,7 @@ class MergeJob:
         self._key: MergeKey | None = None
         self._layout: Layout | None = None
         self._spec: ModelSpec | None = None
+        self._spec_guessed = False
         self._index: TensorIndex | None = None
         self._lora: tuple[LoraPlan | None] | None = None
         self._plan: tuple[MergePlan | None, AdapterPlan | None] | None = None
@@ -390,6 +391,28 @@ class MergeJob:
                     self.config_dir(), tie_word_embedding=self.options.tie_word_embedding, **self.spec_options()
                 )
             return self._spec
+
+    def guess_spec(self) -> bool:
+        """Plan with a spec guessed from the checkpoint itself (`spec.guess`) while the real one, not stored yet, is
+        built elsewhere: the write-ahead child's way to write the weight files meanwhile (the flow's steps plan with
+        the real spec). Returns whether it guessed (not for a backend whose index needs the spec)."""
+        from mergeflow.spec.guess import guessed_spec
+
+        with self._state_lock:
+            if self._spec is not None or backend_named(self.options.backend).needs_spec or self.spec_stored():
+                return False
+            self._spec = guessed_spec(self.config_dir(), self.index(), **self.spec_options())
+            self._spec_guessed = True
+            return True
+
+    def replan_with_stored_spec(self) -> bool:
+        """Once the real spec is stored, forget a guessed one and what was planned with it; returns whether it did."""
+        with self._state_lock:
+            if not self._spec_guessed or not self.spec_stored():
+                return False
+            self._spec = self._lora = self._plan = None
+            self._spec_guessed = False
+            return True
 
     def index(self) -> "TensorIndex":
         with self._state_lock:

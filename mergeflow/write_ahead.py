@@ -77,17 +77,34 @@ def yield_to_spec_build(job: MergeJob) -> None:
 
 def write_weights(job: MergeJob, parent: int) -> None:
     """Warm up, then write the weight files into the staging folder while it is open to writers and process
-    `parent` lives (what `writing_ahead`'s child does)."""
+    `parent` lives (what `writing_ahead`'s child does). For a config whose spec is being built, they are planned
+    with a guessed spec until the real one is stored (`MergeJob.guess_spec`)."""
     warm_up(job)
+    if job.guess_spec():
+        timeline.mark("spec guessed")
     plan, _ = job.merge_plan()
     timeline.mark("plan made")
     if plan is None:
         return
+    written: set[str] = set()
     with shard_writers(job.staging_dir):
-        for filename in plan.shard_to_names:
+        while (filename := _next_file(job, written)) is not None:
             if os.getppid() != parent:
                 return
             job.write_shard(filename, written_ahead_for=parent)
+            written.add(filename)
+
+
+def _next_file(job: MergeJob, written: set[str]) -> str | None:
+    """The next weight file to write: by the real spec's plan once it is stored, from its first file again (a file
+    written with the guess is kept only if planned the same)."""
+    if job.replan_with_stored_spec():
+        timeline.mark("plan made with the stored spec")
+        written.clear()
+    plan, _ = job.merge_plan()
+    if plan is None:
+        return None
+    return next((filename for filename in plan.shard_to_names if filename not in written), None)
 
 
 def target_written(job: MergeJob) -> bool:

@@ -7,7 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from mergeflow.spec.model_spec import ModelSpec
 from mergeflow.spec.peft_names import ADAPTER_SUBDIR
 
 DONE_SUFFIX = ".done"
+SAFETENSORS_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -75,8 +76,8 @@ def describe_output(
     seconds: float,
 ) -> SavedModel:
     """The manifest of a finished model folder."""
-    clear_shard_markers(folder)
     weights = plan if plan is not None else adapter.weights
+    clear_shard_markers(folder, plan.shard_to_names if plan is not None else ())
     return SavedModel(
         folder=str(folder),
         files=describe_files(folder),
@@ -103,7 +104,7 @@ def write_adapter(
     """The adapter folder as PEFT's save_pretrained writes it: adapter_config.json and adapter_model.safetensors."""
     adapter_dir.mkdir(exist_ok=True)  # a resumed merge finds it
     write_weights(adapter.weights, index, adapter_dir, progress=progress)
-    clear_shard_markers(adapter_dir)
+    clear_shard_markers(adapter_dir, adapter.weights.shard_to_names)
     config = copy.deepcopy(adapter.config)
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(adapter_dir))
@@ -187,13 +188,16 @@ def shard_marker(output_dir: Path, filename: str) -> Path:
     return output_dir / f".{filename}{DONE_SUFFIX}"
 
 
-def clear_shard_markers(folder: Path) -> None:
+def clear_shard_markers(folder: Path, weight_files: Iterable[str]) -> None:
     """Once every shard is written (and no writer of `shard_writers` is left), remove the resume markers,
-    locks and any unfinished `.partial` file."""
+    locks, any unfinished `.partial` file, and weight files other than `weight_files` (written ahead with a
+    guessed spec that planned the files otherwise, `MergeJob.guess_spec`)."""
+    weight_files = set(weight_files)
     with closed_to_writers(folder):
         for path in folder.iterdir():
             hidden = path.name.startswith(".")
-            if (hidden and path.name.endswith((DONE_SUFFIX, LOCK_SUFFIX))) or path.name.endswith(PARTIAL_SUFFIX):
+            stray = path.suffix == SAFETENSORS_SUFFIX and path.name not in weight_files
+            if (hidden and path.name.endswith((DONE_SUFFIX, LOCK_SUFFIX))) or path.name.endswith(PARTIAL_SUFFIX) or stray:
                 path.unlink()
 
 
