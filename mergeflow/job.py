@@ -401,7 +401,9 @@ class MergeJob:
         with self._state_lock:
             if self._spec is not None or backend_named(self.options.backend).needs_spec or self.spec_stored():
                 return False
-            self._spec = guessed_spec(self.config_dir(), self.index(), **self.spec_options())
+            index = self.index()
+            shapes = {name: tuple(tensor.shape) for name, tensor in index.tensors.items()}
+            self._spec = guessed_spec(self.config_dir(), shapes, index.aliases, **self.spec_options())
             self._spec_guessed = True
             return True
 
