@@ -104,6 +104,7 @@ def served(fixtures, tmp_path_factory):
         try:
             with temporary_settings({PREFECT_API_URL: api_url}):
                 wait_until(lambda: _deployment_count() == 2, STARTUP_SECONDS, "the served deployments")
+                wait_until(lambda: len(watch_lines(logs / "serve.log")) == 2, STARTUP_SECONDS, "serve's line on each run")
                 yield env, run_dir, output_dir, logs / "serve.log"
         finally:
             stop(serve)
@@ -196,6 +197,11 @@ def test_another_run_on_the_same_checkpoint_is_a_cache_hit(served):
 def console_lines(serve_log: Path) -> list[str]:
     """What serve said on its console (not Prefect's log records)."""
     return [line for line in serve_log.read_text().splitlines() if line.startswith("mergeflow: ")]
+
+
+def watch_lines(serve_log: Path) -> list[str]:
+    """Serve's line on each run it watches, said once its deployments are registered (and before it announces)."""
+    return [line for line in console_lines(serve_log) if line.startswith("mergeflow: watching ")]
 
 
 def test_serve_says_at_start_what_each_run_holds(served):
