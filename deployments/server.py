@@ -3,7 +3,6 @@ one `mergeflow server` keeps up, or else a temporary one this command starts at 
 while the command imports its libraries and starts merging, instead of after. Imports no Prefect."""
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -90,16 +89,11 @@ class TemporaryServer:
     def __init__(self):
         self.port = _free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
-        prefect_dir = Path(importlib.util.find_spec("prefect").submodule_search_locations[0])
         self.process = subprocess.Popen(
-            [
-                sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent),
-                "--factory", "prefect.server.api.server:create_app",
-                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
-            ],
+            [sys.executable, "-m", "mergeflow.deployments.temporary_api", str(self.port)],
             env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
             stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         timeline.mark("temporary server started")
 
     def answers(self) -> bool:

@@ -35,6 +35,7 @@ from mergeflow.options import (
     check_repo_id,
 )
 from mergeflow.perf import timeline
+from mergeflow.perf.collector import paused_for_imports
 from mergeflow.perf.fast_exit import exit_now
 from mergeflow.sizes import human_size
 from mergeflow.version import __version__
@@ -334,16 +335,19 @@ def run_merge(args: argparse.Namespace) -> int:
 
     in_process = writes_in_process(args.task_runner)
     writing_ahead = write_ahead.writing_ahead(job) if in_process else contextlib.nullcontext()
+    # not in a caller's process (main called from Python, the tests): what it holds would be frozen for good
+    imports = paused_for_imports if args.own_process else contextlib.nullcontext
     with _prefect(allow_temporary=True) as server, writing_ahead:
-        if in_process and args.own_process:  # not a caller's process (main called from Python, the tests)
+        if in_process and args.own_process:
             write_ahead.yield_to_spec_build(job)
         # a child reads ahead, builds a new config's spec and writes the weight files while Prefect starts
-        from mergeflow.flows.merge import merge_checkpoint
-        from mergeflow.flows.task_runners import task_runner_from
+        with imports():
+            from mergeflow.flows.merge import merge_checkpoint
+            from mergeflow.flows.task_runners import task_runner_from
 
         timeline.mark("flow imported")
         flow = merge_checkpoint.with_options(task_runner=task_runner_from(args.task_runner))
-        with _prefect_ready(server, while_it_starts=_import_merge_steps):
+        with _prefect_ready(server, while_it_starts=lambda: _import_merge_steps(imports)):
             timeline.mark("server ready")
             state = flow(
                 local_dir=args.local_dir,
@@ -625,13 +629,14 @@ def _prefect_ready(
         yield
 
 
-def _import_merge_steps() -> None:
-    """Import what the merge flow's first steps need (torch and the engine), and the encoder Prefect serializes
-    a flow run's parameters with: while a temporary server starts, rather than after."""
-    import fastapi.encoders  # noqa: F401
+def _import_merge_steps(imports: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Import (in the `imports` context) what the merge flow's first steps need (torch and the engine), and the
+    encoder Prefect serializes a flow run's parameters with: while a temporary server starts, rather than after."""
+    with imports():
+        import fastapi.encoders  # noqa: F401
 
-    import mergeflow.output.save
-    import mergeflow.spec.model_spec  # noqa: F401
+        import mergeflow.output.save
+        import mergeflow.spec.model_spec  # noqa: F401
 
     timeline.mark("merge steps imported")
 

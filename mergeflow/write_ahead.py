@@ -17,6 +17,7 @@ from mergeflow.job import MergeJob
 from mergeflow.options import MergeOptions
 from mergeflow.output.shard_locks import WRITERS_LOCK, open_to_writers, shard_writers
 from mergeflow.perf import timeline
+from mergeflow.perf.collector import paused_for_imports
 from mergeflow.perf.fast_exit import exit_now
 from mergeflow.spec.build import SpecBuild, child_environment
 
@@ -79,10 +80,11 @@ def write_weights(job: MergeJob, parent: int) -> None:
     """Warm up, then write the weight files into the staging folder while it is open to writers and process
     `parent` lives (what `writing_ahead`'s child does). For a config whose spec is being built, they are planned
     with a guessed spec until the real one is stored (`MergeJob.guess_spec`)."""
-    warm_up(job)
-    if job.guess_spec():
-        timeline.mark("spec guessed")
-    plan, _ = job.merge_plan()
+    with paused_for_imports():  # torch's import and the index
+        warm_up(job)
+        if job.guess_spec():
+            timeline.mark("spec guessed")
+        plan, _ = job.merge_plan()
     timeline.mark("plan made")
     if plan is None:
         return

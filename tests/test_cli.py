@@ -1,5 +1,6 @@
 """The `mergeflow` command accepts verl's flags and reports on checkpoints."""
 
+import gc
 import json
 import os
 
@@ -94,6 +95,17 @@ def test_a_merge_called_from_python_keeps_the_callers_cpu_priority(fixtures, tar
 
     assert code == 0
     assert os.nice(0) == before
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_merge_called_from_python_leaves_the_callers_garbage_collector_as_it_was(fixtures, target_dir):
+    frozen_before = gc.get_freeze_count()
+
+    code = main(["merge", "--local_dir", str(fixtures["qwen2-ws2"].checkpoint_dir), "--target_dir", str(target_dir), "--no-progress"])
+
+    assert code == 0
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen_before
 
 
 @pytest.mark.usefixtures("prefect_server")

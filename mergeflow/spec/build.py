@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergeflow.perf import timeline
+from mergeflow.perf.collector import paused_for_imports
 from mergeflow.perf.fast_exit import exit_now
 from mergeflow.spec import cache
 
@@ -90,9 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--value-model", action="store_true")
     args = parser.parse_args(argv)
     timeline.mark("command started", process="spec-build child")
-    from mergeflow.spec.model_spec import store_model_spec
+    with paused_for_imports():  # the whole child: importing transformers and building the model on the meta device
+        from mergeflow.spec.model_spec import store_model_spec
 
-    store_model_spec(args.config_dir, trust_remote_code=args.trust_remote_code, is_value_model=args.value_model)
+        store_model_spec(args.config_dir, trust_remote_code=args.trust_remote_code, is_value_model=args.value_model)
     timeline.mark("spec stored")
 
 
