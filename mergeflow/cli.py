@@ -681,7 +681,8 @@ def _report(error: MergeflowError) -> None:
 
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """Run one command; `own_process`: the command has this process to itself and ends with it (the console script),
-    so it may lower the process's CPU priority for good."""
+    so it may change the process for good (lower its CPU priority, freeze what its imports made out of the garbage
+    collector's sight)."""
     timeline.mark("command started", process="mergeflow command")
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
