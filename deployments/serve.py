@@ -34,6 +34,7 @@ STOP_SECONDS = 2.5
 """How long a stop waits for the runner to cancel its merges and pause its deployments (a server that does not
 answer would keep it retrying for minutes)."""
 POLL_SECONDS = 3.0
+ANSWERS_TO_BE_BACK = 2
 
 logger = logging.getLogger("mergeflow.serve")
 
@@ -169,6 +170,7 @@ class ServerOutages(logging.Filter):
         super().__init__()
         self._say = say
         self._away = False
+        self._answers_since_away = 0
         self._lock = threading.Lock()
 
     def attach(self) -> None:
@@ -185,15 +187,19 @@ class ServerOutages(logging.Filter):
 
     def away(self, error: BaseException) -> None:
         with self._lock:
+            self._answers_since_away = 0
             if self._away:
                 return
             self._away = True
         self._say(f"warning: the Prefect server at {os.environ.get(API_URL_VARIABLE)} does not answer "
                   f"({type(error).__name__}); serving goes on and reconnects when it is back")  # fmt: skip
 
-    def back(self) -> None:
+    def answered(self) -> None:
+        """Note one poll the server answered; it is back after ANSWERS_TO_BE_BACK in a row (a server that is
+        shutting down may answer one more request on a connection it still holds)."""
         with self._lock:
-            if not self._away:
+            self._answers_since_away += 1
+            if not self._away or self._answers_since_away < ANSWERS_TO_BE_BACK:
                 return
             self._away = False
         self._say("the Prefect server answers again")
@@ -241,7 +247,7 @@ class MergeReports:
                 else:
                     logger.warning("reading the finished merges failed: %s", error)
                 continue
-            self._outages.back()
+            self._outages.answered()
             for flow_run in finished:
                 self._reported.add(flow_run.id)
                 self._say(merge_line(flow_run))
