@@ -23,7 +23,7 @@ from mergeflow.options import MergeOptions, Reference
 from mergeflow.output.staging import staging_dir_of
 from mergeflow.output.streaming import CHUNK_BYTES
 from mergeflow.perf import timeline
-from mergeflow.perf.read_ahead import ReadAhead
+from mergeflow.perf.read_ahead import ReadAhead, whole_files
 from mergeflow.run_layout import protected_paths
 from mergeflow.spec import cache as spec_cache
 
@@ -454,7 +454,7 @@ class MergeJob:
                         drop_mtp=options.drop_mtp,
                     )
                 self._plan = (plan, adapter)
-                self._stop_read_ahead()
+                self._read_ahead_in_plan_order(plan)
             return self._plan
 
     def spec_stored(self) -> bool:
@@ -465,13 +465,25 @@ class MergeJob:
         return {"trust_remote_code": self.options.trust_remote_code, "is_value_model": self.options.is_value_model}
 
     def start_read_ahead(self, paths: tuple[str, ...]) -> None:
-        """Read `paths` ahead until this job's plan is made and it reads the weights itself (indexing reads only the
-        rank files' pickles, a few small reads); again if it had ended while a new spec is built."""
+        """Read `paths` ahead (their zip metadata first, which indexing reads) until this job's plan is made; again
+        if it had ended while a new spec is built."""
         if self._read_ahead is None:
-            self._read_ahead = ReadAhead(paths)
+            self._read_ahead = ReadAhead(whole_files(paths))
         if not self._read_ahead.running:
             self._read_ahead.start()
             timeline.mark("read-ahead started")
+
+    def _read_ahead_in_plan_order(self, plan: "MergePlan | None") -> None:
+        """Once planned, a read-ahead still running goes on over the tensors' bytes in the order the weight files
+        are written (where the checkpoint's index says where they lie), instead of file by file."""
+        from mergeflow.output.save import sources_in_write_order
+
+        running = self._read_ahead is not None and self._read_ahead.running
+        self._stop_read_ahead()
+        ranges = getattr(self._index, "byte_ranges", None)
+        if running and plan is not None and ranges is not None:
+            self._read_ahead = ReadAhead(ranges(sources_in_write_order(plan))).start()
+            timeline.mark("read-ahead in plan order")
 
     def _stop_read_ahead(self) -> None:
         if self._read_ahead is not None:

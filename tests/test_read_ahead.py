@@ -1,4 +1,5 @@
-"""Read-ahead: checkpoint files reach the page cache while it runs, and reading stops when it is stopped."""
+"""Read-ahead: checkpoint files reach the page cache while it runs (a zip archive's metadata first, byte ranges in the
+order given), and reading stops when it is stopped."""
 
 import ctypes
 import itertools
@@ -6,11 +7,14 @@ import mmap
 import os
 import threading
 import time
+import zipfile
 from pathlib import Path
+
+import torch
 
 from mergeflow.perf import pages
 from mergeflow.perf import read_ahead as read_ahead_module
-from mergeflow.perf.read_ahead import ReadAhead
+from mergeflow.perf.read_ahead import ReadAhead, whole_files
 
 FILE_BYTES = 8 * 1024 * 1024
 HINT_BYTES = 1024 * 1024
@@ -74,7 +78,7 @@ def test_the_kernel_is_asked_to_read_every_byte_of_every_file(tmp_path, monkeypa
     monkeypatch.setattr(os, "posix_fadvise", record)
     files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
 
-    reading = ReadAhead([str(path) for path in files]).start()
+    reading = ReadAhead(whole_files([str(path) for path in files])).start()
     assert wait_until(lambda: not reading.running)
 
     for path in files:
@@ -89,14 +93,14 @@ def test_files_are_read_through_where_the_device_does_not_say_how_much_a_hint_re
     files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
     assert not any(cached(path) for path in files)
 
-    reading = ReadAhead([str(path) for path in files]).start()
+    reading = ReadAhead(whole_files([str(path) for path in files])).start()
 
     assert wait_until(lambda: all(cached(path) for path in files))
     reading.stop()
 
 
 def test_stopping_ends_its_threads(tmp_path):
-    reading = ReadAhead([str(cold_file(tmp_path / name)) for name in ("a.pt", "b.pt", "c.pt")]).start()
+    reading = ReadAhead(whole_files([str(cold_file(tmp_path / name)) for name in ("a.pt", "b.pt", "c.pt")])).start()
 
     reading.stop()
 
@@ -109,7 +113,7 @@ def test_a_missing_file_is_skipped(tmp_path, monkeypatch):
     present = cold_file(tmp_path / "present.pt")
     assert not cached(present)
 
-    reading = ReadAhead([str(tmp_path / "missing.pt"), str(present)]).start()
+    reading = ReadAhead(whole_files([str(tmp_path / "missing.pt"), str(present)])).start()
 
     assert wait_until(lambda: cached(present))
     reading.stop()
@@ -117,8 +121,8 @@ def test_a_missing_file_is_skipped(tmp_path, monkeypatch):
 
 def test_a_second_start_while_it_runs_starts_nothing_more(tmp_path, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(read_ahead_module, "_read_ahead", lambda paths, budget, stop: release.wait())
-    reading = ReadAhead([str(cold_file(tmp_path / "a.pt"))]).start()
+    monkeypatch.setattr(read_ahead_module, "_read_ahead", lambda ranges, budget, stop: release.wait())
+    reading = ReadAhead(whole_files([str(cold_file(tmp_path / "a.pt"))])).start()
     threads = read_ahead_threads()
 
     reading.start()
@@ -126,3 +130,51 @@ def test_a_second_start_while_it_runs_starts_nothing_more(tmp_path, monkeypatch)
     assert read_ahead_threads() == threads == 1
     release.set()
     reading.stop()
+
+
+def hinted_requests(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every POSIX_FADV_WILLNEED request from here on, in order: (inode, offset, length)."""
+    monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: HINT_BYTES)
+    hinted: list[tuple[int, int, int]] = []
+    fadvise = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            hinted.append((os.fstat(fd).st_ino, offset, length))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    return hinted
+
+
+def torch_saved_file(path: Path) -> Path:
+    """A file as torch.save writes a rank's state: a zip archive of a pickle and one record per tensor."""
+    torch.save({f"layer{i}.weight": torch.randn(512, 1024) for i in range(4)}, path)
+    return path
+
+
+def test_a_zip_archives_record_headers_are_asked_for_before_its_data(tmp_path, monkeypatch):
+    """Indexing a rank file reads each record's local header: those come first, not after gigabytes of tensors."""
+    hinted = hinted_requests(monkeypatch)
+    path = torch_saved_file(tmp_path / "model_world_size_1_rank_0.pt")
+    with zipfile.ZipFile(path) as archive:
+        headers = [record.header_offset for record in archive.infolist()]
+
+    reading = ReadAhead(whole_files([str(path)])).start()
+    assert wait_until(lambda: not reading.running)
+
+    assert [offset for _, offset, _ in hinted[: len(headers)]] == headers
+    assert [offset for _, offset, _ in hinted[len(headers) :]] == list(range(0, path.stat().st_size, HINT_BYTES))
+
+
+def test_byte_ranges_are_asked_for_in_the_order_given(tmp_path, monkeypatch):
+    hinted = hinted_requests(monkeypatch)
+    monkeypatch.setattr(read_ahead_module, "STREAMS", 1)
+    first, second = cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")
+    ranges = [(str(second), 3 * HINT_BYTES, HINT_BYTES), (str(first), HINT_BYTES, 2 * HINT_BYTES)]
+
+    reading = ReadAhead(ranges).start()
+    assert wait_until(lambda: not reading.running)
+
+    inodes = {first.stat().st_ino: "a", second.stat().st_ino: "b"}
+    assert [(inodes[inode], offset) for inode, offset, _ in hinted] == [("b", 3 * HINT_BYTES), ("a", HINT_BYTES), ("a", 2 * HINT_BYTES)]

@@ -178,6 +178,15 @@ def write_shard(
     return written
 
 
+def sources_in_write_order(plan: MergePlan) -> list[str]:
+    """The checkpoint tensors the weight files are written from, in the order `write_shard` reads them."""
+    return [
+        tensor.source
+        for names in plan.shard_to_names.values()
+        for tensor in sorted((plan.tensors[name] for name in names), key=_safetensors_order)
+    ]
+
+
 def shard_plan_digest(plan: MergePlan, filename: str) -> str:
     """A digest of what file `filename` holds: each tensor's name, source, shape, dtype, view and fold."""
     tensors = [plan.tensors[name] for name in sorted(plan.shard_to_names[filename])]

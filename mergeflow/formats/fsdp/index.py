@@ -9,7 +9,7 @@ import os
 import pickle
 import zipfile
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,6 +87,21 @@ class ShardIndex:
             "expert_parallel": self.expert_parallel,
             "placements": dict(Counter(",".join(t.placements) or "plain" for t in self.tensors.values())),
         }
+
+    def byte_ranges(self, names: Iterable[str]) -> list[tuple[str, int, int]]:
+        """(rank file, offset, length) of each named tensor's rank blocks, tensor by tensor in the given order (what
+        the merge reads, for reading it ahead)."""
+        states: dict[int, dict[str, RankTensor]] = {}
+        ranges = []
+        for name in names:
+            for block in self.tensors[name].blocks if name in self.tensors else ():
+                if block.rank not in states:
+                    states[block.rank] = self.loaded.state(self.rank_files[block.rank])
+                tensor = states[block.rank].get(name)
+                record = tensor.record if tensor is not None else None
+                if record is not None:
+                    ranges.append((self.rank_files[block.rank], record.offset, record.length))
+        return ranges
 
     def open(self) -> "FsdpSource":
         """A reader of the global tensors' rows, out of the rank files this index loaded."""
