@@ -131,9 +131,9 @@ def _dask(**options) -> "TaskRunner":
 
 def _ray(address: str | None) -> "TaskRunner":
     try:
-        from prefect_ray import RayTaskRunner
+        from mergeflow.flows.ray_runner import RayTaskRunnerShutDownOnFailure
     except ImportError as e:
         raise OptionError(RAY_EXTRA_MISSING) from e
     if address is None and not os.environ.get(RAY_ADDRESS_VARIABLE):
-        return RayTaskRunner(init_kwargs={"include_dashboard": False})
-    return RayTaskRunner(address=address)
+        return RayTaskRunnerShutDownOnFailure(init_kwargs={"include_dashboard": False})
+    return RayTaskRunnerShutDownOnFailure(address=address)

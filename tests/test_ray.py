@@ -175,11 +175,11 @@ def stalled_node_killed(cluster: LocalRayCluster, started: Path) -> threading.Th
 @pytest.fixture
 def stalling_ray_runner(ray_cluster, tmp_path):
     """A Ray task runner on a cluster that gets a third node whose writes stall; the node is killed mid-write."""
-    from prefect_ray import RayTaskRunner
+    from mergeflow.flows.ray_runner import RayTaskRunnerShutDownOnFailure
 
     started = tmp_path / "stalled-write-started"
     killer = stalled_node_killed(ray_cluster, started)
-    yield RayTaskRunner(address=ray_cluster.address, init_kwargs={"runtime_env": {"worker_process_setup_hook": HOOK}})
+    yield RayTaskRunnerShutDownOnFailure(address=ray_cluster.address, init_kwargs={"runtime_env": {"worker_process_setup_hook": HOOK}})
     killer.join(KILL_WAIT_SECONDS)
     assert started.exists(), "no write ran on the stalled node"
 
@@ -258,3 +258,21 @@ def test_merge_command_writes_on_the_ray_cluster(ray_cluster, eight_rank_fixture
     written = [path for path in (tmp_path / "cli").iterdir() if path.suffix == ".safetensors"]
     assert merged_files(tmp_path / "cli") == merged_files(eight_rank_threads_output)
     assert set(write_task_nodes(ray_cluster, before, count=len(written))) == ray_cluster.node_ids()
+
+
+def test_a_ray_start_that_fails_shuts_this_processs_ray_down(monkeypatch):
+    """A `ray.init` that failed part way would fail every later one in the process (a serve, a test run)."""
+    import ray
+
+    shut_down = []
+
+    def failing_init(*args, **kwargs):
+        raise ConnectionAbortedError("Starting Ray client server failed")
+
+    monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shut_down.append(True))
+
+    with pytest.raises(ConnectionAbortedError), task_runner_from("ray://127.0.0.1:10001"):
+        pass
+
+    assert shut_down == [True]
