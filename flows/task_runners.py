@@ -130,10 +130,10 @@ def _dask(**options) -> "TaskRunner":
 
 
 def _ray(address: str | None) -> "TaskRunner":
-    try:
-        from mergeflow.flows.ray_runner import RayTaskRunnerShutDownOnFailure
-    except ImportError as e:
-        raise OptionError(RAY_EXTRA_MISSING) from e
+    if importlib.util.find_spec("prefect_ray") is None:
+        raise OptionError(RAY_EXTRA_MISSING)
+    from mergeflow.flows.ray_runner import RayTaskRunnerShutDownOnFailure
+
     if address is None and not os.environ.get(RAY_ADDRESS_VARIABLE):
         return RayTaskRunnerShutDownOnFailure(init_kwargs={"include_dashboard": False})
     return RayTaskRunnerShutDownOnFailure(address=address)
