@@ -146,7 +146,7 @@ def write_shard(
     later one keeps what the first wrote. Chunks are read on a background thread while the previous ones
     are written; what was read is checked against the checkpoint's checksums before the file is kept.
     """
-    tensors = sorted((plan.tensors[name] for name in plan.shard_to_names[filename]), key=_safetensors_order)
+    tensors = tensors_in_write_order(plan, filename)
     entries = [TensorEntry(t.name, t.dtype, t.shape) for t in tensors]
     final, marker = output_dir / filename, shard_marker(output_dir, filename)
     expected_size = len(build_header(entries)) + sum(entry.nbytes for entry in entries)
@@ -178,13 +178,13 @@ def write_shard(
     return written
 
 
+def tensors_in_write_order(plan: MergePlan, filename: str) -> list[OutputTensor]:
+    return sorted((plan.tensors[name] for name in plan.shard_to_names[filename]), key=_safetensors_order)
+
+
 def sources_in_write_order(plan: MergePlan) -> list[str]:
     """The checkpoint tensors the weight files are written from, in the order `write_shard` reads them."""
-    return [
-        tensor.source
-        for names in plan.shard_to_names.values()
-        for tensor in sorted((plan.tensors[name] for name in names), key=_safetensors_order)
-    ]
+    return [tensor.source for filename in plan.shard_to_names for tensor in tensors_in_write_order(plan, filename)]
 
 
 def shard_plan_digest(plan: MergePlan, filename: str) -> str:
