@@ -58,6 +58,21 @@ def read_ahead_threads() -> int:
     return sum(thread.name == "mergeflow-read-ahead" for thread in threading.enumerate())
 
 
+def hinted_requests(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every POSIX_FADV_WILLNEED request from here on, in order: (inode, offset, length)."""
+    monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: HINT_BYTES)
+    hinted: list[tuple[int, int, int]] = []
+    fadvise = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            hinted.append((os.fstat(fd).st_ino, offset, length))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    return hinted
+
+
 def test_a_cold_file_is_not_in_the_page_cache(tmp_path):
     """What the other tests call cold really is: dropping a flushed file leaves none of it cached."""
     assert not cached(cold_file(tmp_path / "a.pt"))
@@ -66,23 +81,14 @@ def test_a_cold_file_is_not_in_the_page_cache(tmp_path):
 def test_the_kernel_is_asked_to_read_every_byte_of_every_file(tmp_path, monkeypatch):
     """Where the device says how much a hint reads, every byte is hinted (whether the kernel reads a hint is
     its own choice: under memory pressure it drops them, so the test checks the requests, not the cache)."""
-    monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: HINT_BYTES)
-    hinted: dict[int, list[tuple[int, int]]] = {}
-    fadvise = os.posix_fadvise
-
-    def record(fd: int, offset: int, length: int, advice: int) -> None:
-        if advice == os.POSIX_FADV_WILLNEED:
-            hinted.setdefault(os.fstat(fd).st_ino, []).append((offset, length))
-        fadvise(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", record)
+    hinted = hinted_requests(monkeypatch)
     files = [cold_file(tmp_path / "a.pt"), cold_file(tmp_path / "b.pt")]
 
     reading = ReadAhead(whole_files([str(path) for path in files])).start()
     assert wait_until(lambda: not reading.running)
 
     for path in files:
-        requests = sorted(hinted[path.stat().st_ino])
+        requests = sorted((offset, length) for inode, offset, length in hinted if inode == path.stat().st_ino)
         assert requests[0][0] == 0
         assert all(offset == previous + length for (previous, length), (offset, _) in itertools.pairwise(requests))
         assert sum(requests[-1]) >= FILE_BYTES
@@ -130,21 +136,6 @@ def test_a_second_start_while_it_runs_starts_nothing_more(tmp_path, monkeypatch)
     assert read_ahead_threads() == threads == 1
     release.set()
     reading.stop()
-
-
-def hinted_requests(monkeypatch) -> list[tuple[int, int, int]]:
-    """Every POSIX_FADV_WILLNEED request from here on, in order: (inode, offset, length)."""
-    monkeypatch.setattr(read_ahead_module, "_hint_bytes", lambda fd: HINT_BYTES)
-    hinted: list[tuple[int, int, int]] = []
-    fadvise = os.posix_fadvise
-
-    def record(fd: int, offset: int, length: int, advice: int) -> None:
-        if advice == os.POSIX_FADV_WILLNEED:
-            hinted.append((os.fstat(fd).st_ino, offset, length))
-        fadvise(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", record)
-    return hinted
 
 
 def torch_saved_file(path: Path) -> Path:
